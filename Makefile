@@ -1,0 +1,32 @@
+# make install: set up .venv once (idempotent: a second run installs nothing)
+# make serve:   serve the bundled model      make test: the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.engine-installed
+PROJECTS := pyproject.toml core/pyproject.toml cli/pyproject.toml \
+	$(wildcard plugins/*/pyproject.toml) tests/fixtures/example_plugin/pyproject.toml \
+	requirements-dev.txt
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(PROJECTS)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -r requirements-dev.txt
+	touch $(STAMP)
+
+test: install
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/engine serve $(SERVE_ARGS)
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,19 @@
+"""`engine`: the click group; plugins add subcommands through register_commands(cli)."""
+
+from __future__ import annotations
+
+import click
+
+from engine.plugins import load_plugins
+from engine_cli.plugins_cmd import plugins_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="engine-core", prog_name="engine")
+def cli():
+    """engine: an LLM inference server with pluggable attention, quantization and scheduling."""
+
+
+cli.add_command(plugins_command)
+
+load_plugins().hook.register_commands(cli=cli)

@@ -1,0 +1,23 @@
+"""The core's answer for `--attention-backend auto` (trylast: a platform plugin can override)."""
+
+from engine.hookspecs import hookimpl
+
+# DESIGN.md: fa3 on Hopper, trtllm_mha on Blackwell, flashinfer on Ampere/Ada, torch_native on CPU
+PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("flashinfer",)}
+
+
+@hookimpl(trylast=True)
+def select_attention_backend(device, model_config, kv_dtype):
+    from engine.plugins import get_registries
+
+    regs = get_registries().attention
+    major = device.capability[0] if device.capability else None
+    preferred = [*PREFERENCE.get(major, ()), "torch_native"]
+    ranked = preferred + [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]
+    for name in ranked:
+        if name not in regs:
+            continue
+        entry = regs.get(name)
+        if entry.unavailable_reason(device) is None and kv_dtype in entry.extra["kv_dtypes"]:
+            return entry.name
+    return None

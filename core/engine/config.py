@@ -1,0 +1,83 @@
+"""Every knob of the engine, named like the SGLang/vLLM flags, with defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from engine.registry import EngineError
+
+
+class ConfigError(EngineError, ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None  # defaults to model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    page_size: int = 1
+    # memory
+    mem_fraction_static: float | None = None  # None: per-device default (see memory/sizing.py)
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    max_model_len: int | None = None  # context length; None: the model's
+    # scheduling
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0
+    chunked_prefill_size: int | None = None  # None: per-device default; -1 disables chunking
+    max_prefill_tokens: int = 16384
+    disable_radix_cache: bool = False
+    decode_log_interval: int = 40
+    max_queued_requests: int | None = None
+    # parallelism and compilation (GPU features; validated, refused on CPU where meaningless)
+    tp_size: int = 1
+    dp_size: int = 1
+    seed: int = 0
+    plugin_options: dict = field(default_factory=dict)
+
+    def validate(self) -> "EngineConfig":
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda"),
+             f"--device must be one of auto, cpu, cuda, got {self.device!r}")
+        need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
+        if self.mem_fraction_static is not None:
+            need(0 < self.mem_fraction_static < 1,
+                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "max_running_requests", "max_model_len",
+                     "max_queued_requests"):
+            value = getattr(self, name)
+            need(value is None or value >= 1,
+                 f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        need(self.schedule_conservativeness > 0,
+             f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
+        c = self.chunked_prefill_size
+        need(c is None or c == -1 or c >= 1,
+             f"--chunked-prefill-size must be -1 (disabled) or >= 1, got {c}")
+        need(self.max_prefill_tokens >= 1,
+             f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        need(self.decode_log_interval >= 1,
+             f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        need(self.tp_size == 1,
+             f"--tp-size {self.tp_size}: tensor parallelism is not implemented yet; use 1")
+        need(self.dp_size == 1,
+             f"--dp-size {self.dp_size}: data parallelism is not implemented yet; use 1")
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        return cls(**kwargs).validate()

@@ -1,0 +1,72 @@
+"""One forward's worth of requests, as every attention backend sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # every request brings prompt tokens (maybe after a cached prefix)
+    DECODE = "decode"  # every request brings exactly one token
+    MIXED = "mixed"  # both in one step (chunked prefill next to running decodes)
+
+
+# fmt: off
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor        # [T] int64: the new tokens of all requests, request after request
+    positions: torch.Tensor        # [T] int64: their positions in their sequences
+    out_cache_loc: torch.Tensor    # [T] int64: pool slot where each new token's K/V is written
+    req_pool_indices: torch.Tensor # [B] int64: each request's row in kv_pool.req_to_token
+    prefix_lens: torch.Tensor      # [B] int64: tokens already in the pool before this step
+    extend_lens: torch.Tensor      # [B] int64: new tokens this step (1 for a decode)
+    seq_lens: torch.Tensor         # [B] int64: prefix_lens + extend_lens
+    req_to_token: torch.Tensor     # [R, max_context] int64: position -> slot, shared with the pool
+    prefix_lens_list: list[int]    # host copies, so metadata building never syncs a device
+    extend_lens_list: list[int]
+    logits_indices: torch.Tensor   # [B] int64: index in T of each request's last new token
+# fmt: on
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens_list(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_list, self.extend_lens_list)]
+
+    @classmethod
+    def build(cls, input_ids: list[list[int]], prefix_lens: list[int], req_pool_indices: list[int],
+              out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, device="cpu") -> "ForwardBatch":
+        """Assemble a batch from per-request new tokens (host lists) and their slots."""
+        extend = [len(x) for x in input_ids]
+        assert all(e > 0 for e in extend), "every request in a batch brings at least one token"
+        if all(e == 1 for e in extend):
+            mode = ForwardMode.DECODE
+        elif all(p == 0 or e > 1 for p, e in zip(prefix_lens, extend)):
+            mode = ForwardMode.EXTEND
+        else:
+            mode = ForwardMode.MIXED
+        flat = [t for ids in input_ids for t in ids]
+        positions = [p + i for p, e in zip(prefix_lens, extend) for i in range(e)]
+        ends = torch.tensor(extend, dtype=torch.int64).cumsum(0) - 1
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            mode=mode, input_ids=t(flat), positions=t(positions),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            req_pool_indices=t(req_pool_indices), prefix_lens=t(prefix_lens),
+            extend_lens=t(extend), seq_lens=t([p + e for p, e in zip(prefix_lens, extend)]),
+            req_to_token=req_to_token, prefix_lens_list=list(prefix_lens),
+            extend_lens_list=extend, logits_indices=ends.to(device),
+        )

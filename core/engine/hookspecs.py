@@ -1,0 +1,87 @@
+"""The contract between the core and its plugins (pluggy project "engine").
+
+Registration hooks are broadcast: every plugin gets a ``register`` callback owned by the core,
+which records what is registered together with the plugin's distribution, so that two plugins
+claiming one name is an error naming both.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("engine")
+hookimpl = pluggy.HookimplMarker("engine")
+
+
+@hookspec
+def register_attention_backends(register):
+    """Register attention backends.
+
+    ``register(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
+    description="")``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
+    (``ctx`` is an :class:`engine.interfaces.BackendContext`); ``check(device) -> str | None``
+    returns None when the backend can run on ``device`` (a :class:`engine.device.DeviceInfo`),
+    else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts;
+    ``priority`` orders the candidates of ``--attention-backend auto``.
+    """
+
+
+@hookspec
+def register_kv_cache_dtypes(register):
+    """Register KV-cache dtypes: ``register(name, kv_dtype)`` with an :class:`engine.interfaces.KVDtype`."""
+
+
+@hookspec
+def register_quantization_methods(register):
+    """Register weight quantization methods: ``register(name, method, *, check=None)`` with a
+    :class:`engine.interfaces.QuantMethod`."""
+
+
+@hookspec
+def register_schedule_policies(register):
+    """Register schedule policies: ``register(name, factory, *, cache_aware=False)``;
+    ``factory(config) -> SchedulePolicy``. ``cache_aware`` asks the scheduler to compute radix
+    prefix matches before ordering (lpm needs them, fcfs does not)."""
+
+
+@hookspec
+def register_parallel_strategies(register):
+    """Register parallel strategies: ``register(name, strategy, *, check=None)`` with a
+    :class:`engine.interfaces.ParallelStrategy`."""
+
+
+@hookspec
+def register_models(register):
+    """Register model classes: ``register(hf_architecture, model_cls)``, e.g.
+    ``register("LlamaForCausalLM", LlamaForCausalLM)``."""
+
+
+@hookspec
+def register_serve_options(register):
+    """Register extra ``engine serve`` options: ``register(EngineOption(flag, type, default, help))``.
+    Their values arrive in ``EngineConfig.plugin_options[plugin_name][dest]``."""
+
+
+@hookspec
+def register_commands(cli):
+    """Add subcommands to the ``engine`` click group ``cli``."""
+
+
+@hookspec(firstresult=True)
+def select_attention_backend(device, model_config, kv_dtype):
+    """Pick the backend for ``--attention-backend auto``: return a registered name or None.
+
+    The first non-None answer wins; the core's own answer is ``trylast`` so that a platform plugin
+    can override it.
+    """
+
+
+@hookspec
+def engine_started(engine):
+    """Called once when an :class:`engine.engine.Engine` is ready to take requests."""
+
+
+@hookspec
+def step_finished(stats):
+    """Called after each scheduler step with an :class:`engine.stats.StepStats`; never inside a
+    forward, at most once per step."""

@@ -1,0 +1,124 @@
+"""The abstract types plugins implement. Nothing heavy is imported here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.forward_batch import ForwardBatch
+    from engine.memory.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """How the KV cache is stored.
+
+    ``storage`` is the torch dtype of the pool, or None for "the model's dtype" (``auto``).
+    ``needs_scale`` says that values are stored scaled (fp8): the pool keeps per-layer K and V
+    scales and backends dequantize on read.
+    """
+
+    storage: Any = None
+    needs_scale: bool = False
+    description: str = ""
+
+
+@dataclass
+class AttentionLayerSpec:
+    """What a backend needs to know about one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None = None  # attend to at most this many most recent keys
+
+
+@dataclass
+class BackendContext:
+    """Handed to an attention backend factory: the pool it reads and the layers it serves."""
+
+    kv_pool: "KVPool"
+    layers: list[AttentionLayerSpec]
+    device: Any
+    dtype: Any
+    options: dict = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV pool for one batch.
+
+    Per step the runner calls :meth:`init_forward_metadata` once, then :meth:`forward` for each
+    layer. Backends build their own metadata (flashinfer indptr/indices, FA3 page tables, ...)
+    from the :class:`ForwardBatch`, write the new K/V into the pool at ``batch.out_cache_loc``
+    and return the attention output.
+    """
+
+    def __init__(self, ctx: BackendContext):
+        self.ctx = ctx
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: "ForwardBatch") -> None:
+        """Prepare per-step metadata; called once per forward, before the first layer."""
+
+    @abstractmethod
+    def forward(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer_id: int,
+        batch: "ForwardBatch",
+    ) -> "torch.Tensor":
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the T new tokens.
+        Stores k/v in the pool and returns [T, num_heads, head_dim]."""
+
+
+class SchedulePolicy(ABC):
+    """Orders the waiting queue each step."""
+
+    @abstractmethod
+    def order(self, waiting: Sequence[Any], prefix_len: Callable[[Any], int]) -> list[Any]:
+        """Return ``waiting`` in admission order. ``prefix_len(req)`` gives the number of the
+        request's prompt tokens found in the prefix cache (computed only for cache-aware
+        policies; 0 otherwise). Requests carry ``arrival`` (a monotonically increasing number)."""
+
+
+class QuantMethod(ABC):
+    """A weight quantization method (a module swap, gpt-fast style)."""
+
+    @abstractmethod
+    def detect(self, hf_config: dict) -> bool:
+        """True when the checkpoint is already quantized with this method."""
+
+    @abstractmethod
+    def convert(self, model: Any) -> Any:
+        """Swap the model's linear layers for quantized ones before weights are loaded."""
+
+    def process_weights(self, module: Any) -> None:
+        """Post-process one module after its weights are loaded (quantize on the fly, ...)."""
+
+
+class ParallelStrategy(ABC):
+    """How the model is spread over devices or processes."""
+
+    @abstractmethod
+    def launch(self, config: Any) -> Any:
+        """Start the workers for ``config``; returns a handle the engine drives."""
+
+    def init_rank(self, rank: int) -> None:
+        """Called in each worker after spawn."""
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """An extra ``engine serve`` option contributed by a plugin."""
+
+    flag: str
+    type: Any = str
+    default: Any = None
+    help: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")

@@ -1,0 +1,118 @@
+"""The KV-cache pool: per-layer K and V slot tensors, a page allocator and the request table.
+
+A slot holds one token's K and V for one layer. Slots are handed out in pages of ``page_size``
+slots (page p owns slots ``p*page_size .. p*page_size+page_size-1``); page 0 is never handed out,
+so slot 0 is a scratch slot that padded metadata can point at harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
+                 dtype: torch.dtype, device="cpu", page_size: int = 1, max_reqs: int = 256,
+                 max_context_len: int = 4096, needs_scale: bool = False):
+        assert num_tokens >= page_size > 0
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size
+        self.size = self.num_pages * page_size  # usable token slots
+        self.dtype = dtype
+        self.device = device
+        self.num_layers = num_layers
+        self.needs_scale = needs_scale
+        shape = ((self.num_pages + 1) * page_size, num_kv_heads, head_dim)
+        # torch.empty: never zero-fill gigabytes at start
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # per-layer dequantization scales (stay 1.0 unless a KV dtype that needs them sets them)
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
+        self._free_pages = list(range(self.num_pages, 0, -1))  # pop() hands out low pages first
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64,
+                                        device=device)
+        self._free_reqs = list(range(max_reqs - 1, -1, -1))
+        self.max_reqs = max_reqs
+
+    # -- token slots, in pages --------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def pages_needed(self, seq_len: int, n: int) -> int:
+        """New pages a sequence of ``seq_len`` tokens needs to grow by ``n``."""
+        p = self.page_size
+        return -(-(seq_len + n) // p) - (-(-seq_len // p))
+
+    def can_alloc(self, pages: int) -> bool:
+        return pages <= len(self._free_pages)
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        if n > len(self._free_pages):
+            return None
+        return [self._free_pages.pop() for _ in range(n)]
+
+    def free_pages(self, pages) -> None:
+        self._free_pages.extend(int(p) for p in pages)
+        assert len(self._free_pages) <= self.num_pages, "a page was freed twice"
+
+    def extend_slots(self, row: int, seq_len: int, n: int) -> torch.Tensor | None:
+        """Give request ``row`` (holding ``seq_len`` tokens) ``n`` more slots, recorded in
+        ``req_to_token``; returns them, or None (nothing allocated) when the pool is short."""
+        p = self.page_size
+        assert seq_len + n <= self.max_context_len, "sequence longer than max_context_len"
+        new_pages = self.alloc_pages(self.pages_needed(seq_len, n))
+        if new_pages is None:
+            return None
+        positions = torch.arange(seq_len, seq_len + n)
+        if p == 1:
+            slots = torch.tensor(new_pages, dtype=torch.int64)
+        else:
+            first_new_page = -(-seq_len // p)  # pages already held by the sequence
+            held = self.req_to_token[row, : first_new_page * p : p] // p if seq_len else None
+            page_of = torch.tensor(
+                (held.tolist() if held is not None else []) + new_pages, dtype=torch.int64)
+            slots = page_of[positions // p] * p + positions % p
+        self.req_to_token[row, seq_len: seq_len + n] = slots.to(self.req_to_token.device)
+        return slots
+
+    def slots_to_pages(self, slots: torch.Tensor) -> list[int]:
+        """The distinct pages of ``slots`` (which must cover whole pages or a sequence tail)."""
+        if self.page_size == 1:
+            return slots.tolist()
+        return sorted(set((slots // self.page_size).tolist()))
+
+    # -- request rows -------------------------------------------------------------------------
+    def alloc_req(self) -> int | None:
+        return self._free_reqs.pop() if self._free_reqs else None
+
+    def free_req(self, row: int) -> None:
+        self._free_reqs.append(row)
+        assert len(self._free_reqs) <= self.max_reqs, "a request row was freed twice"
+
+    @property
+    def free_reqs(self) -> int:
+        return len(self._free_reqs)
+
+    # -- K/V access ----------------------------------------------------------------------------
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.needs_scale:
+            k = k / self.k_scale[layer_id]
+            v = v / self.v_scale[layer_id]
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype):
+        """K and V at slots ``loc`` (any shape), dequantized to ``dtype``."""
+        k = self.k_buffer[layer_id][loc].to(dtype)
+        v = self.v_buffer[layer_id][loc].to(dtype)
+        if self.needs_scale:
+            k = k * self.k_scale[layer_id]
+            v = v * self.v_scale[layer_id]
+        return k, v
+
+    def bytes_per_token(self) -> int:
+        k = self.k_buffer[0]
+        return 2 * self.num_layers * k.shape[1] * k.shape[2] * k.element_size()

@@ -1,0 +1,176 @@
+"""The plugin manager: built-ins and entry points, loaded once, turned into registries."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import pluggy
+
+from engine import hookspecs
+from engine.registry import DuplicateRegistration, Entry, Registries
+
+DEFAULT_PLUGINS = (
+    "engine.builtins.attention_torch_native",
+    "engine.builtins.kv_dtypes",
+    "engine.builtins.models",
+    "engine.builtins.parallel",
+    "engine.builtins.select",
+)
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    dist: str  # "built-in" for the core's own
+    version: str = ""
+    hooks: list[str] = field(default_factory=list)
+    registered: dict[str, list[str]] = field(default_factory=dict)
+    error: str | None = None
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("engine")
+    pm.add_hookspecs(hookspecs)
+    if os.environ.get("ENGINE_TRACE_PLUGINS"):
+        pm.trace.root.setwriter(print)
+        pm.enable_tracing()
+    return pm
+
+
+pm = new_plugin_manager()
+_infos: dict[str, PluginInfo] = {}
+_loaded = False
+_registries: Registries | None = None
+
+
+def _env_list(var: str) -> list[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return [x.strip() for x in raw.split(",") if x.strip()]
+
+
+def register_builtins(manager: pluggy.PluginManager, infos: dict[str, PluginInfo]) -> None:
+    for modname in DEFAULT_PLUGINS:
+        if manager.has_plugin(modname) or manager.is_blocked(modname):
+            continue
+        manager.register(importlib.import_module(modname), name=modname)
+        infos[modname] = PluginInfo(modname, "built-in")
+
+
+def load_entry_points(manager: pluggy.PluginManager, infos: dict[str, PluginInfo]) -> None:
+    """Load the "engine" entry points; a plugin that fails to import is recorded, not fatal."""
+    allow = _env_list("ENGINE_PLUGINS")
+    blocked = set(_env_list("ENGINE_DISABLE_PLUGINS") or ())
+    for ep in metadata.entry_points(group="engine"):
+        dist = ep.dist.name if ep.dist else "unknown"
+        version = ep.dist.version if ep.dist else ""
+        if allow is not None and dist not in allow and ep.name not in allow:
+            continue
+        if ep.name in blocked or dist in blocked:
+            manager.set_blocked(ep.name)
+            continue
+        if manager.has_plugin(ep.name) or manager.is_blocked(ep.name):
+            continue
+        info = PluginInfo(ep.name, dist, version)
+        infos[ep.name] = info
+        try:
+            manager.register(ep.load(), name=ep.name)
+        except Exception as exc:  # a broken plugin must not stop the others
+            info.error = f"failed to load: {type(exc).__name__}: {exc}"
+
+
+def load_plugins() -> pluggy.PluginManager:
+    """Idempotent: built-ins first, then entry points (so outside hooks run first)."""
+    global _loaded
+    if not _loaded:
+        for name in _env_list("ENGINE_DISABLE_PLUGINS") or ():
+            pm.set_blocked(name)
+        register_builtins(pm, _infos)
+        load_entry_points(pm, _infos)
+        pm.check_pending()
+        _loaded = True
+    return pm
+
+
+def _registrar(regs: Registries, hook: str, info: PluginInfo):
+    def add(registry, kind, name, obj, check=None, aliases=(), **extra):
+        registry.add(Entry(name, obj, info.name, info.dist, info.version, check, extra), aliases)
+        info.registered.setdefault(kind, []).append(name)
+
+    def attention(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
+                  description=""):
+        add(regs.attention, "attention", name, factory, check, aliases,
+            kv_dtypes=tuple(kv_dtypes), priority=priority, description=description)
+
+    def kv_dtype(name, kv):
+        add(regs.kv_dtypes, "kv_dtypes", name, kv)
+
+    def quantization(name, method, *, check=None):
+        add(regs.quantization, "quantization", name, method, check)
+
+    def policy(name, factory, *, cache_aware=False):
+        add(regs.policies, "policies", name, factory, cache_aware=cache_aware)
+
+    def parallel(name, strategy, *, check=None):
+        add(regs.parallel, "parallel", name, strategy, check)
+
+    def model(arch, cls):
+        add(regs.models, "models", arch, cls)
+
+    def serve_option(option):
+        regs.serve_options.append((info.name, option))
+        info.registered.setdefault("serve_options", []).append(option.flag)
+
+    return {
+        "register_attention_backends": attention, "register_kv_cache_dtypes": kv_dtype,
+        "register_quantization_methods": quantization, "register_schedule_policies": policy,
+        "register_parallel_strategies": parallel, "register_models": model,
+        "register_serve_options": serve_option,
+    }[hook]
+
+
+REGISTRATION_HOOKS = (
+    "register_kv_cache_dtypes", "register_attention_backends", "register_quantization_methods",
+    "register_schedule_policies", "register_parallel_strategies", "register_models",
+    "register_serve_options",
+)
+
+
+def build_registries(manager: pluggy.PluginManager, infos: dict[str, PluginInfo]) -> Registries:
+    """Call every registration hook plugin by plugin; a hook that raises is recorded on its
+    plugin and skipped. Two plugins claiming one name raises DuplicateRegistration."""
+    regs = Registries()
+    for hook in REGISTRATION_HOOKS:
+        # pluggy's call order is last-registered first; registration order reads better here
+        for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
+            info = infos.setdefault(impl.plugin_name, PluginInfo(impl.plugin_name, "unknown"))
+            if hook not in info.hooks:
+                info.hooks.append(hook)
+            try:
+                impl.function(register=_registrar(regs, hook, info))
+            except DuplicateRegistration:
+                raise
+            except Exception as exc:
+                info.error = f"{hook} raised {type(exc).__name__}: {exc}"
+    for name, plugin in manager.list_name_plugin():
+        info = infos.setdefault(name, PluginInfo(name, "unknown"))
+        for impl in manager.get_hookcallers(plugin) or ():
+            if impl.name not in info.hooks:
+                info.hooks.append(impl.name)
+    return regs
+
+
+def get_registries() -> Registries:
+    global _registries
+    if _registries is None:
+        _registries = build_registries(load_plugins(), _infos)
+    return _registries
+
+
+def list_plugins() -> list[PluginInfo]:
+    get_registries()
+    return sorted(_infos.values(), key=lambda i: (i.dist == "built-in", i.name))

@@ -1,0 +1,201 @@
+"""Typed registries filled by the plugins, name resolution, and the user-facing errors."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+# Where the bundled names live, so that a missing one can say what to install.
+KNOWN_PROVIDERS = {
+    "attention backend": {
+        "fa3": ("engine-attention-fa3", "plugins/attention_fa3"),
+        "flashinfer": ("engine-attention-flashinfer", "plugins/attention_flashinfer"),
+        "trtllm_mha": ("engine-attention-flashinfer", "plugins/attention_flashinfer"),
+    },
+    "quantization method": {"fp8": ("engine-quant-fp8", "plugins/quant_fp8")},
+    "KV-cache dtype": {
+        "fp8_e4m3": ("engine-quant-fp8", "plugins/quant_fp8"),
+        "fp8_e5m2": ("engine-quant-fp8", "plugins/quant_fp8"),
+    },
+    "schedule policy": {
+        "lpm": ("engine-policy-lpm", "plugins/policy_lpm"),
+        "fcfs": ("engine-policy-fcfs", "plugins/policy_fcfs"),
+    },
+}
+
+
+class EngineError(Exception):
+    """A mistake the user can fix; its message says what was wrong and what to do."""
+
+    def __str__(self) -> str:  # KeyError subclasses would otherwise print the repr
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownName(EngineError, KeyError):
+    pass
+
+
+class UnknownAttentionBackend(UnknownName):
+    pass
+
+
+class BackendUnavailable(EngineError):
+    pass
+
+
+class NoBackendAvailable(EngineError):
+    pass
+
+
+class IncompatibleOptions(EngineError, ValueError):
+    pass
+
+
+class DuplicateRegistration(EngineError):
+    pass
+
+
+class NotImplementedYet(EngineError):
+    pass
+
+
+@dataclass
+class Entry(Generic[T]):
+    name: str
+    obj: T
+    plugin: str
+    dist: str  # distribution name, or "built-in"
+    version: str = ""
+    check: Callable[[Any], str | None] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def origin(self) -> str:
+        return "built-in" if self.dist == "built-in" else f"{self.dist} {self.version}".strip()
+
+    def unavailable_reason(self, device) -> str | None:
+        return self.check(device) if self.check else None
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Entry[T]] = {}
+        self._aliases: dict[str, str] = {}
+
+    def add(self, entry: Entry[T], aliases=()) -> None:
+        for key in (entry.name, *aliases):
+            owner = self._entries.get(key) or self._entries.get(self._aliases.get(key, ""))
+            if owner is not None:
+                raise DuplicateRegistration(
+                    f"{self.kind} '{key}' is registered twice: by {owner.origin} "
+                    f"(plugin {owner.plugin}) and by {entry.origin} (plugin {entry.plugin}). "
+                    f"Uninstall one, or limit loading with ENGINE_PLUGINS / ENGINE_DISABLE_PLUGINS."
+                )
+        self._entries[entry.name] = entry
+        for alias in aliases:
+            self._aliases[alias] = entry.name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or name in self._aliases
+
+    def __iter__(self) -> Iterator[Entry[T]]:
+        return iter(sorted(self._entries.values(), key=lambda e: e.name))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def describe(self) -> str:
+        if not self._entries:
+            return "none"
+        return ", ".join(f"{e.name} ({e.origin})" for e in self)
+
+    def get(self, name: str, error: type[UnknownName] = UnknownName) -> Entry[T]:
+        key = self._aliases.get(name, name)
+        if key in self._entries:
+            return self._entries[key]
+        msg = f"Unknown {self.kind} '{name}'."
+        close = difflib.get_close_matches(name, [*self._entries, *self._aliases], n=1)
+        if close:
+            msg += f" Did you mean '{close[0]}'?"
+        provider = KNOWN_PROVIDERS.get(self.kind, {}).get(name)
+        if provider:
+            dist, folder = provider
+            msg += (f" '{name}' is provided by {dist}, which is not installed "
+                    f"(pip install ./{folder}).")
+        raise error(msg + f" Registered: {self.describe()}.")
+
+
+@dataclass
+class Registries:
+    attention: Registry = field(default_factory=lambda: Registry("attention backend"))
+    kv_dtypes: Registry = field(default_factory=lambda: Registry("KV-cache dtype"))
+    quantization: Registry = field(default_factory=lambda: Registry("quantization method"))
+    policies: Registry = field(default_factory=lambda: Registry("schedule policy"))
+    parallel: Registry = field(default_factory=lambda: Registry("parallel strategy"))
+    models: Registry = field(default_factory=lambda: Registry("model architecture"))
+    serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
+
+    def all(self) -> dict[str, Registry]:
+        return {"attention": self.attention, "kv_dtypes": self.kv_dtypes,
+                "quantization": self.quantization, "policies": self.policies,
+                "parallel": self.parallel, "models": self.models}
+
+
+def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
+    return regs.kv_dtypes.get(name)
+
+
+def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str = "auto",
+                              model_config=None, pm=None) -> Entry:
+    """Resolve ``--attention-backend`` (``auto`` included) for ``device`` and ``kv_dtype``."""
+    resolve_kv_dtype(regs, kv_dtype)
+    if name == "auto":
+        picked = None
+        if pm is not None:
+            picked = pm.hook.select_attention_backend(
+                device=device, model_config=model_config, kv_dtype=kv_dtype)
+        if picked is None:
+            reasons = "; ".join(
+                f"{e.name}: {e.unavailable_reason(device) or 'does not support --kv-cache-dtype ' + kv_dtype}"
+                for e in regs.attention) or "none registered"
+            raise NoBackendAvailable(
+                f"No attention backend can run here with --kv-cache-dtype {kv_dtype} ({reasons}).")
+        name = picked
+    entry = regs.attention.get(name, UnknownAttentionBackend)
+    reason = entry.unavailable_reason(device)
+    if reason:
+        usable = [e.name for e in regs.attention if not e.unavailable_reason(device)]
+        raise BackendUnavailable(
+            f"'{entry.name}' ({entry.origin}) is installed but unusable here: {reason}. "
+            f"Usable: {', '.join(usable) or 'none'}.")
+    supported = entry.extra.get("kv_dtypes", ("auto",))
+    if kv_dtype not in supported:
+        raise IncompatibleOptions(
+            f"'{entry.name}' does not support --kv-cache-dtype {kv_dtype} "
+            f"(supports: {', '.join(supported)}).")
+    return entry
+
+
+def resolve_policy(regs: Registries, name: str) -> Entry:
+    if not len(regs.policies):
+        raise UnknownName(
+            f"No schedule policy is installed, so '{name}' cannot be used. Install one: "
+            f"pip install ./plugins/policy_lpm ./plugins/policy_fcfs "
+            f"(or pip install engine-policy-lpm engine-policy-fcfs).")
+    return regs.policies.get(name)
+
+
+def resolve_quantization(regs: Registries, name: str, device) -> Entry:
+    entry = regs.quantization.get(name)
+    reason = entry.unavailable_reason(device)
+    if reason:
+        raise BackendUnavailable(
+            f"quantization '{entry.name}' ({entry.origin}) is installed but unusable here: {reason}.")
+    return entry

@@ -1,0 +1,20 @@
+"""Quantization method 'fp8' and KV-cache dtypes 'fp8_e4m3' / 'fp8_e5m2'."""
+
+from engine import hookimpl
+
+
+@hookimpl
+def register_quantization_methods(register):
+    from engine_quant_fp8.method import FP8Method
+
+    register("fp8", FP8Method(), check=lambda device: "not implemented yet")
+
+
+@hookimpl
+def register_kv_cache_dtypes(register):
+    import torch
+
+    from engine.interfaces import KVDtype
+
+    register("fp8_e4m3", KVDtype(torch.float8_e4m3fn, needs_scale=True, description="float8 e4m3"))
+    register("fp8_e5m2", KVDtype(torch.float8_e5m2, needs_scale=True, description="float8 e5m2"))
