@@ -29,7 +29,9 @@ class KVPool:
         # per-layer dequantization scales (stay 1.0 unless a KV dtype that needs them sets them)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
-        self._free_pages = list(range(self.num_pages, 0, -1))  # pop() hands out low pages first
+        # a stack of free page ids in a tensor: compact and O(n) per call even for millions of pages
+        self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
+        self._top = self.num_pages  # _free_stack[:_top] are free; the top hands out low pages first
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64,
                                         device=device)
@@ -39,7 +41,11 @@ class KVPool:
     # -- token slots, in pages --------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self._top * self.page_size
+
+    @property
+    def free_page_count(self) -> int:
+        return self._top
 
     def pages_needed(self, seq_len: int, n: int) -> int:
         """New pages a sequence of ``seq_len`` tokens needs to grow by ``n``."""
@@ -47,16 +53,21 @@ class KVPool:
         return -(-(seq_len + n) // p) - (-(-seq_len // p))
 
     def can_alloc(self, pages: int) -> bool:
-        return pages <= len(self._free_pages)
+        return pages <= self._top
 
-    def alloc_pages(self, n: int) -> list[int] | None:
-        if n > len(self._free_pages):
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._top:
             return None
-        return [self._free_pages.pop() for _ in range(n)]
+        pages = self._free_stack[self._top - n: self._top].flip(0)
+        self._top -= n
+        return pages
 
     def free_pages(self, pages) -> None:
-        self._free_pages.extend(int(p) for p in pages)
-        assert len(self._free_pages) <= self.num_pages, "a page was freed twice"
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        n = pages.numel()
+        assert self._top + n <= self.num_pages, "a page was freed twice"
+        self._free_stack[self._top: self._top + n] = pages
+        self._top += n
 
     def extend_slots(self, row: int, seq_len: int, n: int) -> torch.Tensor | None:
         """Give request ``row`` (holding ``seq_len`` tokens) ``n`` more slots, recorded in
@@ -68,21 +79,23 @@ class KVPool:
             return None
         positions = torch.arange(seq_len, seq_len + n)
         if p == 1:
-            slots = torch.tensor(new_pages, dtype=torch.int64)
+            slots = new_pages
         else:
             first_new_page = -(-seq_len // p)  # pages already held by the sequence
-            held = self.req_to_token[row, : first_new_page * p : p] // p if seq_len else None
-            page_of = torch.tensor(
-                (held.tolist() if held is not None else []) + new_pages, dtype=torch.int64)
+            held = self.req_to_token[row, : first_new_page * p : p].cpu() // p
+            page_of = torch.cat([held, new_pages])
             slots = page_of[positions // p] * p + positions % p
         self.req_to_token[row, seq_len: seq_len + n] = slots.to(self.req_to_token.device)
         return slots
 
-    def slots_to_pages(self, slots: torch.Tensor) -> list[int]:
+    def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``slots`` (which must cover whole pages or a sequence tail)."""
         if self.page_size == 1:
-            return slots.tolist()
-        return sorted(set((slots // self.page_size).tolist()))
+            return slots
+        return torch.unique(slots // self.page_size)
+
+    def free_slots_of(self, slots: torch.Tensor) -> None:
+        self.free_pages(self.slots_to_pages(slots.cpu()))
 
     # -- request rows -------------------------------------------------------------------------
     def alloc_req(self) -> int | None:

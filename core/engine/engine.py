@@ -1,0 +1,192 @@
+"""Engine: the offline API, and the owner of the scheduler and the model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+from engine.config import EngineConfig
+from engine.registry import EngineError
+
+logger = logging.getLogger("engine")
+_rids = itertools.count()
+
+
+class RequestError(EngineError, ValueError):
+    """A request that can never be served as asked (too long, bad ids, ...)."""
+
+
+class Engine:
+    def __init__(self, model: str | None = None, **kwargs):
+        from engine.device import detect_device
+        from engine.plugins import get_registries, load_plugins
+        from engine.registry import (resolve_attention_backend, resolve_kv_dtype, resolve_policy,
+                                     resolve_quantization)
+
+        self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if config.model is None:
+            raise EngineError("no model given: pass --model DIR (a Hugging Face model directory).")
+        pm, regs = load_plugins(), get_registries()
+        self.device = detect_device(config.device)
+        # resolve every name before loading anything, so that mistakes fail fast
+        policy_entry = resolve_policy(regs, config.schedule_policy)
+        kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
+        attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
+                                               config.kv_cache_dtype, pm=pm)
+        if config.quantization:
+            resolve_quantization(regs, config.quantization, self.device)
+        self.attention_backend = attn_entry.name
+        self._build(regs, policy_entry, kv_entry, attn_entry)
+        pm.hook.engine_started(engine=self)
+
+    def _build(self, regs, policy_entry, kv_entry, attn_entry) -> None:
+        from transformers import AutoTokenizer
+
+        from engine.memory.radix_cache import RadixCache
+        from engine.memory.sizing import plan
+        from engine.plugins import pm
+        from engine.runner import ModelRunner
+        from engine.scheduler.kv import KVManager
+        from engine.scheduler.scheduler import Scheduler
+
+        config = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.runner = runner = ModelRunner(
+            config.model, registries=regs, device=self.device, dtype=config.dtype,
+            attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj)
+        mc = runner.model_config
+        self.sizing = plan(config, self.device, runner.weight_bytes, runner.kv_bytes_per_token(),
+                           config.kv_cache_dtype, mc.max_position_embeddings)
+        pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
+                                   self.sizing.max_running_requests, self.sizing.context_length)
+        cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
+                                                                   config.page_size)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            runner, KVManager(pool, cache), policy_entry.obj(config),
+            policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
+            mc.vocab_size, on_step=lambda stats: pm.hook.step_finished(stats=stats))
+        logger.info(f"model {config.model}: {mc.architecture}, {runner.dtype_reason}")
+        logger.info(f"attention backend: {attn_entry.name} ({attn_entry.origin}); "
+                    f"schedule policy: {policy_entry.name}; radix cache: "
+                    f"{'disabled' if cache is None else 'enabled'}")
+        for line in self.sizing.lines():
+            logger.info(line)
+
+    # -- requests ------------------------------------------------------------------------------
+    def make_params(self, sampling_params):
+        from engine.sampling import SamplingParams
+
+        if sampling_params is None:
+            return SamplingParams()
+        if isinstance(sampling_params, dict):
+            return SamplingParams.from_dict(sampling_params)
+        sampling_params.validate()
+        return sampling_params
+
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, sampling_params=None, rid: str | None = None,
+                    stream: bool = False) -> list:
+        """Queue one prompt (text or token ids); returns its ``n`` Req objects."""
+        from engine.sampling import IncrementalDetokenizer
+        from engine.sampling.sampler import make_generator
+        from engine.scheduler.request import Req
+
+        params = self.make_params(sampling_params)
+        ids = self.tokenize(prompt)
+        self.check_request(ids, params)
+        rid = rid or f"req-{next(_rids)}"
+        reqs, leader = [], None
+        for i in range(params.n):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            req = Req(rid if params.n == 1 else f"{rid}-{i}", list(ids), p,
+                      generator=make_generator(p.seed), group_leader=leader)
+            if stream or p.stop:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
+            leader = leader or req
+            self.scheduler.add(req)
+            reqs.append(req)
+        return reqs
+
+    def check_request(self, ids: list[int], params) -> None:
+        vocab = self.runner.model_config.vocab_size
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token.")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1}).")
+        total = len(ids) + params.max_new_tokens
+        context = self.sizing.context_length
+        if total > context:
+            raise RequestError(
+                f"This model's maximum context length is {context} tokens, but the request asks "
+                f"for {total} ({len(ids)} in the prompt + {params.max_new_tokens} new). Shorten "
+                f"the prompt or lower max_new_tokens (or raise --max-model-len).")
+        if total > self.sizing.max_total_tokens:
+            raise RequestError(
+                f"the request needs {total} KV slots ({len(ids)} prompt + {params.max_new_tokens} "
+                f"new) but the KV pool holds {self.sizing.max_total_tokens} in all; lower "
+                f"max_new_tokens or raise --max-total-tokens / --mem-fraction-static.")
+
+    def step(self):
+        return self.scheduler.step()
+
+    def abort(self, req) -> None:
+        self.scheduler.abort(req)
+
+    def flush_cache(self) -> bool:
+        cache = self.scheduler.kv.cache
+        if cache is None or self.scheduler.running:
+            return False
+        return cache.flush()
+
+    # -- offline API ---------------------------------------------------------------------------
+    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+        """Generate for one prompt (str or token ids) or a list of them. Returns a dict (a list
+        of dicts for a list input, ``n`` per prompt) like SGLang's: text, output_ids, meta_info."""
+        single = input_ids is None and isinstance(prompt, str) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        prompts = input_ids if input_ids is not None else prompt
+        if prompts is None:
+            raise RequestError("give a prompt (text) or input_ids.")
+        if single:
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        reqs = [r for p, sp in zip(prompts, sampling_params) for r in self.add_request(p, sp)]
+        while not all(r.finished for r in reqs):
+            self.step()
+        outputs = [self.output(r) for r in reqs]
+        return outputs[0] if single and len(outputs) == 1 else outputs
+
+    def output(self, req) -> dict:
+        p = req.params
+        ids = req.output_ids
+        if req.detokenizer is not None:
+            text = req.detokenizer.text + req.detokenizer.finish()
+        else:
+            # a final EOS or stop token id is reported in output_ids, not in the text
+            shown = ids
+            if req.finish_reason == "stop" and isinstance(req.matched_stop, int):
+                shown = ids[:-1]
+            text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+        reason = {"type": req.finish_reason}
+        if req.finish_reason == "stop":
+            reason["matched"] = req.matched_stop
+        elif req.finish_reason == "length":
+            reason["length"] = len(ids)
+        meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids),
+                "completion_tokens": len(ids), "cached_tokens": req.cached_tokens,
+                "finish_reason": reason, "num_retractions": req.num_retractions}
+        if p.logprobs:
+            meta["output_token_logprobs"] = list(zip(req.output_logprobs, ids))
+            meta["output_top_logprobs"] = req.output_top_logprobs
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -1,0 +1,184 @@
+"""Radix prefix cache: token-id prefixes -> KV slots, shared by requests, evicted LRU.
+
+Nodes hold a run of token ids (``key``) and their pool slots (``value``). A node is locked while a
+running request uses it (``lock_ref`` counts along the path to the root); only unlocked leaves are
+evicted. With ``page_size > 1`` every key length is a multiple of the page size, so node
+boundaries fall on pages and evicting a node frees whole pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+
+_tick = itertools.count()
+
+
+class Node:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key=(), value=None, parent=None):
+        self.key: tuple[int, ...] = tuple(key)
+        self.value: torch.Tensor = value if value is not None else torch.empty(0, dtype=torch.int64)
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.parent: Node | None = parent
+        self.lock_ref = 0
+        self.last_access = next(_tick)
+
+
+class RadixCache:
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], page_size: int = 1):
+        self.free_slots = free_slots
+        self.page_size = page_size
+        self.reset_tree()
+
+    def reset_tree(self) -> None:
+        self.root = Node()
+        self.root.lock_ref = 1  # the root is never evicted
+        self.total_size = 0  # slots held by the tree
+        self.protected_size = 0  # slots held by locked nodes
+
+    @property
+    def evictable_size(self) -> int:
+        return self.total_size - self.protected_size
+
+    def _child_key(self, key) -> tuple[int, ...]:
+        return tuple(key[: self.page_size])
+
+    def _align(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _common(self, a, b) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return self._align(n)
+
+    # -- lookup ------------------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Node]:
+        """Longest cached (page-aligned) prefix of ``key``: its slots and its last node."""
+        key = key[: self._align(len(key))]
+        node, values = self.root, []
+        node.last_access = next(_tick)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._common(child.key, key)
+            if n < len(child.key):
+                if n:
+                    child = self._split(child, n)
+                    values.append(child.value)
+                    node = child
+                break
+            values.append(child.value)
+            node, key = child, key[n:]
+            node.last_access = next(_tick)
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return slots, node
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cut ``child`` after ``n`` tokens; returns the new upper node."""
+        upper = Node(child.key[:n], child.value[:n], child.parent)
+        upper.lock_ref = child.lock_ref
+        upper.children[self._child_key(child.key[n:])] = child
+        child.parent.children[self._child_key(child.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        return upper
+
+    # -- insert ------------------------------------------------------------------------------
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert ``key`` -> ``value`` (page-aligned lengths). Returns how many leading tokens
+        were already cached: the caller owns those slots of ``value`` and must free them."""
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        node, done = self.root, 0
+        node.last_access = next(_tick)
+        while done < len(key):
+            rest = key[done:]
+            child = node.children.get(self._child_key(rest))
+            if child is None:
+                new = Node(rest, value[done:].clone(), node)
+                node.children[self._child_key(rest)] = new
+                self.total_size += len(rest)
+                return done
+            n = self._common(child.key, rest)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(_tick)
+            node, done = child, done + n
+        return done
+
+    # -- locks ---------------------------------------------------------------------------------
+    def inc_lock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock(self, node: Node) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlocking a node that is not locked"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    # -- eviction ------------------------------------------------------------------------------
+    def _leaves(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if not node.children and node is not self.root:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first.
+        Returns the number freed (less when not enough is evictable)."""
+        import heapq
+
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.free_slots(node.value)
+            freed += len(node.key)
+            self.total_size -= len(node.key)
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self) -> bool:
+        """Drop everything; refused (False) while any node is locked by a running request."""
+        if self.protected_size:
+            return False
+        self.evict(self.total_size)
+        assert self.total_size == 0
+        self.reset_tree()
+        return True
+
+    # -- integrity -------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        total = protected = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for k, child in node.children.items():
+                assert child.parent is node and k == self._child_key(child.key)
+                assert len(child.key) == len(child.value) > 0
+                assert len(child.key) % self.page_size == 0
+                assert child.lock_ref >= 0
+                total += len(child.key)
+                protected += len(child.key) if child.lock_ref else 0
+                stack.append(child)
+        assert total == self.total_size, (total, self.total_size)
+        assert protected == self.protected_size, (protected, self.protected_size)

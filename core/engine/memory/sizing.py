@@ -1,0 +1,81 @@
+"""From --mem-fraction-static and friends to pool sizes; every derived default is reported."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.registry import EngineError
+
+# On a GPU the static share is weights + KV (SGLang's default is about 0.88 on big GPUs). On a CPU
+# "device memory" is the RAM available at start, shared with the OS and everything else running.
+DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.3}
+DEFAULT_CHUNKED_PREFILL = {"cuda": 8192, "cpu": 512}
+# request-table rows: an upper bound on concurrently running requests
+REQUEST_POOL_SIZE = {"cuda": 4096, "cpu": 512}
+
+
+@dataclass
+class SizingReport:
+    device: str
+    available_memory_bytes: int
+    mem_fraction_static: float
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_dtype: str
+    max_total_tokens: int
+    kv_pool_bytes: int
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    context_length: int
+    page_size: int
+
+    def lines(self) -> list[str]:
+        gib = 1 << 30
+        return [
+            f"device: {self.device}, memory available at start: "
+            f"{self.available_memory_bytes / gib:.2f} GiB, mem_fraction_static={self.mem_fraction_static}",
+            f"weights: {self.weight_bytes / gib:.3f} GiB; KV cache: {self.kv_bytes_per_token} bytes/token "
+            f"({self.kv_dtype}), max_total_num_tokens={self.max_total_tokens}, "
+            f"KV pool {self.kv_pool_bytes / gib:.3f} GiB",
+            f"max_running_requests={self.max_running_requests}, chunked_prefill_size="
+            f"{self.chunked_prefill_size}, max_prefill_tokens={self.max_prefill_tokens}, "
+            f"context_len={self.context_length}, page_size={self.page_size}",
+        ]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: str,
+         model_context_len: int) -> SizingReport:
+    kind = "cuda" if device.is_cuda else "cpu"
+    fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION[kind]
+    if config.max_total_tokens is not None:
+        total = config.max_total_tokens
+    else:
+        budget = int(device.available_memory * fraction) - weight_bytes
+        total = budget // kv_bytes_per_token
+        if total < 1:
+            raise EngineError(
+                f"--mem-fraction-static {fraction} leaves no room for the KV cache: "
+                f"{fraction} x {device.available_memory / (1 << 30):.2f} GiB available is less "
+                f"than the {weight_bytes / (1 << 30):.2f} GiB of weights. Raise "
+                f"--mem-fraction-static or set --max-total-tokens.")
+    total -= total % config.page_size
+    if total < config.page_size:
+        raise EngineError(f"--max-total-tokens {total} is smaller than one page "
+                          f"(--page-size {config.page_size}).")
+    context = config.max_model_len or model_context_len
+    max_running = config.max_running_requests or max(1, min(total // 2, REQUEST_POOL_SIZE[kind]))
+    chunk = config.chunked_prefill_size
+    if chunk is None:
+        chunk = DEFAULT_CHUNKED_PREFILL[kind]
+    return SizingReport(
+        device=device.describe(), available_memory_bytes=device.available_memory,
+        mem_fraction_static=fraction, weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token, kv_dtype=kv_dtype, max_total_tokens=total,
+        kv_pool_bytes=total * kv_bytes_per_token, max_running_requests=max_running,
+        chunked_prefill_size=chunk, max_prefill_tokens=config.max_prefill_tokens,
+        context_length=context, page_size=config.page_size,
+    )

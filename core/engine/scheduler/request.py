@@ -1,0 +1,76 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_arrivals = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: Any = None  # the eos / stop token id or stop string that ended it
+    generator: Any = None  # per-request torch.Generator when seeded
+    group_leader: "Req | None" = None  # for n > 1: wait until the leader's prompt is cached
+    detokenizer: Any = None  # set by whoever needs text while running (stop strings, streams)
+    # KV state (set by the scheduler)
+    row: int | None = None  # row in kv_pool.req_to_token
+    kv_len: int = 0  # tokens of seq whose K/V is in the pool
+    alloc_len: int = 0  # tokens of seq with slots allocated (>= kv_len)
+    cached_len: int = 0  # leading tokens whose slots the radix cache owns
+    last_node: Any = None  # radix node locked for the cached prefix
+    prefix_hint: int = 0  # cached-prefix length found when the policy ordered the queue
+    cached_tokens: int = 0  # prompt tokens served from the cache at (first) admission
+    num_retractions: int = 0
+    # per-token extras
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # timing
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """seq[start:end] without building seq (decode asks for the last token every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p: end - p]
+        return (self.prompt_ids + self.output_ids)[start:end] if end > p else self.prompt_ids[start:end]
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """True until every token but the last has K/V (after that it decodes)."""
+        return self.kv_len < self.seq_len - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
