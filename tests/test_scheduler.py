@@ -1,0 +1,190 @@
+"""The scheduler: invariants under random load, retraction, chunking, prefix cache, policies."""
+
+import logging
+import random
+import re
+
+import pytest
+
+from engine import Engine
+from engine.engine import RequestError
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def make(model, **kw):
+    return Engine(model, **{"max_total_tokens": 4000, **kw})
+
+
+def ids(seed, n, vocab=500):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def run_all(engine, prompts, max_new):
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+    engine.scheduler.check_invariants()
+    return [o["output_ids"] for o in outs]
+
+
+def assert_all_free(engine):
+    s = engine.scheduler
+    assert not s.running and not s.waiting
+    s.check_invariants()
+    assert engine.flush_cache() or s.kv.cache is None
+    assert s.kv.pool.free_slots == s.kv.pool.size
+    assert s.kv.pool.free_reqs == s.kv.pool.max_reqs
+
+
+def test_random_workload_keeps_slot_invariant(model):
+    rng = random.Random(0)
+    engine = make(model, max_total_tokens=320, chunked_prefill_size=48)
+    system = ids(99, 24)
+    pending = []
+    for i in range(40):
+        prompt = (system if rng.random() < 0.5 else []) + ids(i, rng.randint(1, 60))
+        params = {"max_new_tokens": rng.randint(1, 30), "ignore_eos": rng.random() < 0.5,
+                  "temperature": rng.choice([0, 0.8]), "seed": rng.randint(0, 9)}
+        pending.append((prompt, params))
+    reqs, steps = [], 0
+    while pending or engine.scheduler.has_work:
+        for _ in range(rng.randint(0, 3)):  # random arrival
+            if pending:
+                reqs += engine.add_request(*pending.pop())
+        engine.step()
+        engine.scheduler.check_invariants()
+        steps += 1
+        assert steps < 5000
+    assert all(r.finished for r in reqs) and len(reqs) == 40
+    assert all(1 <= len(r.output_ids) <= r.params.max_new_tokens for r in reqs)
+    assert_all_free(engine)
+
+
+def test_retraction_storm_finishes_with_identical_outputs(model, caplog):
+    prompts = [ids(i, 20 + i) for i in range(8)]
+    reference = run_all(make(model), prompts, 40)
+    small = make(model, max_total_tokens=160, schedule_conservativeness=0.1)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        outs = run_all(small, prompts, 40)
+    lines = [r.getMessage() for r in caplog.records if "decode out of memory" in r.getMessage()]
+    assert lines, "the pool was meant to be too small"
+    assert re.fullmatch(r"decode out of memory happened, #retracted_reqs: \d+, "
+                        r"#new_token_ratio: \d\.\d{4} -> \d\.\d{4}", lines[0])
+    assert small.scheduler.counters.retracted_reqs >= 1
+    assert outs == reference
+    assert_all_free(small)
+
+
+def test_chunked_prefill_equals_unchunked(model):
+    prompts = [ids(7, 150), ids(8, 5)]
+    whole = run_all(make(model, chunked_prefill_size=-1), prompts, 12)
+    chunked_engine = make(model, chunked_prefill_size=16)
+    chunked = run_all(chunked_engine, prompts, 12)
+    assert chunked == whole
+    assert_all_free(chunked_engine)
+
+
+def test_shared_prefix_reports_cached_tokens_and_matches_no_cache(model):
+    system = ids(1, 40)
+    prompts = [system + ids(10 + i, 6) for i in range(4)]
+    cached = make(model)
+    first = cached.generate(input_ids=prompts[0], sampling_params={**GREEDY, "max_new_tokens": 8})
+    rest = cached.generate(input_ids=prompts[1:], sampling_params={**GREEDY, "max_new_tokens": 8})
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert all(o["meta_info"]["cached_tokens"] >= 40 for o in rest)
+    assert cached.scheduler.counters.cache_hit_rate > 0.5
+    plain = make(model, disable_radix_cache=True)
+    assert plain.scheduler.kv.cache is None
+    expected = run_all(plain, prompts, 8)
+    assert [first["output_ids"]] + [o["output_ids"] for o in rest] == expected
+    assert_all_free(cached)
+    assert_all_free(plain)
+
+
+def admitted_first(engine, prompts):
+    reqs = [engine.add_request(p, {**GREEDY, "max_new_tokens": 2})[0] for p in prompts]
+    engine.step()
+    first = [i for i, r in enumerate(reqs) if r.status.value == "running" or r.finished]
+    while engine.scheduler.has_work:
+        engine.step()
+    return first
+
+
+@pytest.mark.parametrize("policy, expected", [("lpm", [1]), ("fcfs", [0]), ("lifo", [2])])
+def test_policies_order_the_queue(model, policy, expected):
+    engine = make(model, schedule_policy=policy, max_running_requests=1)
+    system = ids(3, 60)
+    engine.generate(input_ids=system + [7], sampling_params={**GREEDY, "max_new_tokens": 1})
+    # 0: no cached prefix (arrived first), 1: long cached prefix, 2: arrived last
+    assert admitted_first(engine, [ids(4, 30), system + ids(5, 3), ids(6, 30)]) == expected
+    assert_all_free(engine)
+
+
+def test_lower_conservativeness_admits_more_at_once(model):
+    prompts = [ids(20 + i, 10) for i in range(10)]
+
+    def admitted(conservativeness):
+        engine = make(model, max_total_tokens=400, schedule_conservativeness=conservativeness)
+        for p in prompts:
+            engine.add_request(p, {**GREEDY, "max_new_tokens": 100})
+        engine.step()
+        n = len(engine.scheduler.running)
+        engine.scheduler.check_invariants()
+        return n
+
+    assert admitted(0.3) > admitted(1.0)
+
+
+def test_max_running_requests_caps_the_batch(model):
+    engine = make(model, max_running_requests=3)
+    for i in range(6):
+        engine.add_request(ids(i, 8), {**GREEDY, "max_new_tokens": 5})
+    while engine.scheduler.has_work:
+        engine.step()
+        assert len(engine.scheduler.running) <= 3
+
+
+def test_max_model_len_rejects_with_a_clear_error(model):
+    engine = make(model, max_model_len=64)
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens.*60 in the prompt"
+                                           " \\+ 10 new"):
+        engine.add_request(ids(0, 60), {"max_new_tokens": 10})
+    assert not engine.scheduler.has_work
+
+
+def test_page_size_four_gives_identical_outputs(model):
+    prompts = [ids(30 + i, 9 + 5 * i) for i in range(4)] + [ids(30, 9) + ids(31, 7)]
+    expected = run_all(make(model), prompts, 10)
+    paged = make(model, page_size=4, max_total_tokens=400)
+    assert run_all(paged, prompts, 10) == expected
+    assert run_all(paged, prompts, 10) == expected  # again, now with cached pages
+    assert_all_free(paged)
+
+
+def test_log_lines_use_the_guides_wording(model, caplog):
+    engine = make(model, decode_log_interval=1)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        run_all(engine, [ids(0, 12), ids(1, 20)], 3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(
+        r"Prefill batch\. #new-seq: 2, #new-token: 32, #cached-token: 0, token usage: \d\.\d\d, "
+        r"#running-req: 2, #queue-req: 0", m) for m in messages), messages
+    assert any(re.fullmatch(
+        r"Decode batch\. #running-req: 2, #token: \d+, token usage: \d\.\d\d, "
+        r"gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0", m) for m in messages), messages
+
+
+def test_n_samples_share_the_prompt_and_free_everything(model):
+    engine = make(model)
+    prompt = ids(42, 30)
+    outs = engine.generate(input_ids=prompt, sampling_params={"n": 4, "temperature": 1.0,
+                                                              "seed": 5, "max_new_tokens": 12})
+    assert len(outs) == 4
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1  # different samples
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs[1:]) >= 3 * 29  # shared prefix KV
+    assert_all_free(engine)
