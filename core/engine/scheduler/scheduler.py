@@ -7,18 +7,20 @@ import time
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.sampling import Sampler, SamplingBatch, token_stop_reason
 from engine.scheduler.admission import NewTokenRatio, PrefillBudget, reserved_tokens
 from engine.scheduler.kv import KVManager
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
 from engine.stats import Counters, StatLogger, StepStats
 
+# a waiting prompt sharing this many uncached tokens with one being prefilled waits for it
+IN_BATCH_PREFIX = 32
+
 
 class Scheduler:
     def __init__(self, runner, kv: KVManager, policy, cache_aware: bool, sizing, config,
                  eos_ids, vocab_size: int, on_step=None):
-        from engine.sampling import Sampler
-
         self.runner, self.kv, self.policy, self.cache_aware = runner, kv, policy, cache_aware
         self.sizing, self.config = sizing, config
         self.eos_ids = set(eos_ids)
@@ -153,6 +155,8 @@ class Scheduler:
                     leader.status is not Status.RUNNING or leader.prefilling):
                 continue  # n > 1: share the leader's prompt KV once it is cached
             slots, node = self.kv.match(r)
+            if self._prefix_in_flight(r, len(slots), entries):
+                continue  # it will find that prefix cached in a step or two: don't compute it twice
             extend = r.seq_len - len(slots)
             n = budget.take(extend)
             if n == 0:
@@ -185,6 +189,15 @@ class Scheduler:
             if n < extend:
                 break  # one chunked prompt at a time
         return entries, new_seqs, cached
+
+    def _prefix_in_flight(self, r: Req, matched: int, entries) -> bool:
+        """Does a prompt being prefilled right now share ``IN_BATCH_PREFIX`` more tokens with
+        ``r`` than the cache does? (SGLang's in-batch prefix check.)"""
+        if self.kv.cache is None or r.seq_len - 1 - matched < IN_BATCH_PREFIX:
+            return False
+        head = r.tokens(matched, matched + IN_BATCH_PREFIX)
+        return any(f.prefilling and f.tokens(matched, matched + IN_BATCH_PREFIX) == head
+                   for f, _ in entries)
 
     # -- forward, sample, finish -----------------------------------------------------------------
     def _run(self, entries: list[tuple[Req, int]]) -> list[Req]:
@@ -226,24 +239,20 @@ class Scheduler:
         return touched
 
     def _sample(self, logits, rows: list[Req]):
-        from engine.sampling import SamplingBatch
-
         batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows],
                                     [r.output_ids for r in rows], [r.generator for r in rows],
                                     self.eos_ids, self.vocab_size, device=logits.device)
         return self.sampler(logits, batch)
 
     def _check_stop(self, r: Req, token: int) -> None:
-        p = r.params
-        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
-        if stop_token and len(r.output_ids) >= p.min_new_tokens:
-            return self._release_finished(r, "stop", token)  # its text is not shown
+        reason = token_stop_reason(r.params, r.output_ids, self.eos_ids)
+        if reason == "stop":
+            return self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
         if r.detokenizer is not None:
             r.detokenizer.add([token])
             if r.detokenizer.stopped:
-                matched = getattr(r.detokenizer, "matched_stop", None)
-                return self._release_finished(r, "stop", matched)
-        if len(r.output_ids) >= p.max_new_tokens:
+                return self._release_finished(r, "stop", r.detokenizer.matched_stop)
+        if reason == "length":
             self._release_finished(r, "length", None)
 
     def _release_finished(self, r: Req, reason: str, matched) -> None:

@@ -1,0 +1,17 @@
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.params import SamplingParams, SamplingParamsError
+from engine.sampling.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
+from engine.sampling.stop import find_stop, partial_stop_len, token_stop_reason
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "SampleOutput",
+    "Sampler",
+    "SamplingBatch",
+    "SamplingParams",
+    "SamplingParamsError",
+    "find_stop",
+    "make_generator",
+    "partial_stop_len",
+    "token_stop_reason",
+]

@@ -1,0 +1,114 @@
+"""Engine.generate end to end: equal to HF transformers, and the sampling parameters at work."""
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.engine import RequestError
+from engine.sampling import SamplingParamsError
+from engine.testing import TINY_CASES
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    return Engine(tiny_model_factory("llama"), max_total_tokens=4000)
+
+
+def hf_greedy(model_dir, prompts, n):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # like ignore_eos (min_new_tokens would ban EOS)
+    outs = []
+    for p in prompts:  # one at a time: no padding artefacts on the HF side
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                              pad_token_id=2)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_engine_greedy_equals_hf_generate(tiny_model_factory, case):
+    model_dir = tiny_model_factory(case)
+    prompts = [[5 + (i * 7 + j * 3) % 400 for j in range(3 + 11 * i)] for i in range(4)]
+    engine = Engine(model_dir, max_total_tokens=2000, chunked_prefill_size=16)
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 32})
+    assert [o["output_ids"] for o in outs] == hf_greedy(model_dir, prompts, 32)
+    # the same prompts again: now served from the radix cache, same tokens
+    again = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 32})
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again[1:])
+    engine.scheduler.check_invariants()
+    assert engine.flush_cache()
+    assert engine.scheduler.kv.pool.free_slots == engine.scheduler.kv.pool.size
+
+
+def test_seed_reproducible_across_batches_and_order(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_new_tokens": 16,
+              "ignore_eos": True}
+    target = "the quick brown fox"
+    alone = engine.generate(target, params)["output_ids"]
+    others = ["a b c", "import sys", "one two three four five"]
+    mixed = engine.generate(others[:2] + [target] + others[2:],
+                            [{"temperature": 0.7, "max_new_tokens": 9}] * 2 + [params]
+                            + [{"temperature": 1.3, "max_new_tokens": 20}])
+    assert mixed[2]["output_ids"] == alone
+    reordered = engine.generate([target] + others, [params] + [{"max_new_tokens": 5}] * 3)
+    assert reordered[0]["output_ids"] == alone
+
+
+def test_top_k_one_equals_greedy(engine):
+    greedy = engine.generate("hello there", {**GREEDY, "max_new_tokens": 10})
+    top1 = engine.generate("hello there", {"temperature": 1.5, "top_k": 1, "max_new_tokens": 10,
+                                           "ignore_eos": True})
+    assert top1["output_ids"] == greedy["output_ids"]
+
+
+def test_stop_string_across_tokens_is_cut_from_the_text(engine):
+    free = engine.generate("def main", {**GREEDY, "max_new_tokens": 24})
+    text = free["text"]
+    stop = text[5:9]  # a piece of what greedy will produce, likely spanning token boundaries
+    assert len(stop) == 4
+    out = engine.generate("def main", {**GREEDY, "max_new_tokens": 24, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.index(stop)]
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    free = engine.generate("stop here", {**GREEDY, "max_new_tokens": 12})["output_ids"]
+    stop_id = free[3]
+    out = engine.generate("stop here", {**GREEDY, "max_new_tokens": 12,
+                                        "stop_token_ids": [stop_id]})
+    assert out["output_ids"] == free[: free.index(stop_id) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    later = engine.generate("stop here", {"temperature": 0, "max_new_tokens": 12,
+                                          "stop_token_ids": [stop_id], "min_new_tokens": 8})
+    assert stop_id not in later["output_ids"][:8]
+
+
+def test_logprobs_are_returned(engine):
+    out = engine.generate("log probs", {**GREEDY, "max_new_tokens": 5, "logprobs": True,
+                                        "top_logprobs": 3})
+    pairs = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t in pairs] == out["output_ids"]
+    assert all(lp <= 0 for lp, _ in pairs)
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert len(tops) == 5 and all(len(t) == 3 for t in tops)
+    assert all(top[0][0] == tok for top, tok in zip(tops, out["output_ids"]))  # greedy = top-1
+
+
+def test_bad_requests_are_refused_clearly(engine):
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        engine.generate("x", {"temperature": -1})
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        engine.generate("x", {"top_p": 1.5})
+    with pytest.raises(SamplingParamsError, match="unknown"):
+        engine.generate("x", {"temprature": 1})
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate(input_ids=[[]])
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.generate(input_ids=[10**6])
+    assert not engine.scheduler.has_work
