@@ -1,0 +1,110 @@
+"""torch_native: attention over the paged KV pool with plain torch SDPA; runs on any device.
+
+Requests are split into two padded groups per step: those bringing one token (decodes, and
+1-token prompts) and those bringing several (prompts, maybe after a cached prefix). Each group is
+one SDPA call per layer over K/V gathered from the pool, so no Python loop runs per request or
+per token. Slot indices and masks are built once per step in ``init_forward_metadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from engine.interfaces import AttentionBackend, BackendContext
+
+
+# fmt: off
+@dataclass
+class _Group:
+    num_reqs: int
+    q_len: int                 # E: padded new tokens per request
+    kv_len: int                # L: padded sequence length
+    slots: torch.Tensor        # [B, L] pool slot of each key position (0 past the sequence)
+    tokens: torch.Tensor | None  # [B, E] index in the batch's T tokens; None: q is [B*E] in order
+    dest: torch.Tensor | None  # [n] tokens the group's valid rows write to (None with tokens None)
+    rows: torch.Tensor | None  # [n] the valid rows among the B*E padded ones
+    masks: dict = field(default_factory=dict)  # sliding window (None: full) -> [B, 1, E, L] bool
+# fmt: on
+
+
+class TorchNativeBackend(AttentionBackend):
+    def __init__(self, ctx: BackendContext):
+        super().__init__(ctx)
+        self.kv_pool = ctx.kv_pool
+        self.layers = ctx.layers
+        self.windows = sorted({s.sliding_window for s in ctx.layers}, key=lambda w: w or 0)
+        self.groups: list[_Group] = []
+        # padded key positions read scratch slot 0; masked keys get probability 0, but 0 * NaN
+        # is NaN, so the never-written (torch.empty) slot must hold finite values
+        for buf in (*self.kv_pool.k_buffer, *self.kv_pool.v_buffer):
+            buf[0].zero_()
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        ext = batch.extend_lens_list
+        single = [i for i, e in enumerate(ext) if e == 1]
+        multi = [i for i, e in enumerate(ext) if e > 1]
+        self.groups = [self._group(batch, idx) for idx in (single, multi) if idx]
+
+    def _group(self, batch: ForwardBatch, idx: list[int]) -> _Group:
+        dev = batch.input_ids.device
+        ext = [batch.extend_lens_list[i] for i in idx]
+        seq = [batch.prefix_lens_list[i] + batch.extend_lens_list[i] for i in idx]
+        B, E, L = len(idx), max(ext), max(seq)
+        whole = B == batch.batch_size and min(ext) == E  # q is already [B, E] in order
+        sel = torch.tensor(idx, dtype=torch.int64, device=dev)
+        ext_t = batch.extend_lens[sel]
+        seq_t = batch.seq_lens[sel]
+        kpos = torch.arange(L, device=dev)
+        slots = batch.req_to_token[batch.req_pool_indices[sel][:, None], kpos[None, :]]
+        slots = torch.where(kpos[None, :] < seq_t[:, None], slots, 0)
+        # pad rows repeat the request's last token: a real query whose output is dropped
+        e = torch.minimum(torch.arange(E, device=dev)[None, :], ext_t[:, None] - 1)  # [B, E]
+        qpos = batch.prefix_lens[sel][:, None] + e
+        tokens = dest = rows = None
+        if not whole:
+            starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+            tokens = starts[sel][:, None] + e
+            valid = (torch.arange(E, device=dev)[None, :] < ext_t[:, None]).flatten()
+            rows = valid.nonzero().squeeze(1)
+            dest = tokens.flatten()[rows]
+        g = _Group(B, E, L, slots, tokens, dest, rows)
+        causal = kpos[None, None, :] <= qpos[:, :, None]  # [B, E, L]
+        for w in self.windows:
+            m = causal if w is None else causal & (kpos[None, None, :] > qpos[:, :, None] - w)
+            g.masks[w] = m[:, None]
+        return g
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        T, H, D = q.shape
+        if len(self.groups) == 1 and self.groups[0].tokens is None:
+            return self._attend(self.groups[0], q, layer_id).view(T, H, D)
+        out = q.new_empty(T, H, D)
+        for g in self.groups:
+            assert g.tokens is not None  # only a group holding the whole batch skips the gather
+            out.index_copy_(0, g.dest, self._attend(g, q, layer_id).reshape(-1, H, D)[g.rows])
+        return out
+
+    def _attend(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Attention for one group: [B, E, H, D]."""
+        spec = self.layers[layer_id]
+        B, E = g.num_reqs, g.q_len
+        H, D, KVH = spec.num_heads, spec.head_dim, spec.num_kv_heads
+        q = q.view(B, E, H, D) if g.tokens is None else q[g.tokens]
+        k, v = self.kv_pool.get_kv(layer_id, g.slots, q.dtype)  # [B, L, KVH, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        mask = g.masks[spec.sliding_window]
+        if E == 1:
+            # the G query heads sharing a KV head become G query rows: no K/V copy, one bmm
+            qf = q.view(B, KVH, H // KVH, D)
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=spec.scaling)
+            return o.view(B, 1, H, D)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                           scale=spec.scaling, enable_gqa=H != KVH)
+        return o.transpose(1, 2)
+

@@ -1,0 +1,53 @@
+"""The attention layer: projects nothing, hands q/k/v to the attention backend of the current
+forward. The runner sets that backend and batch around each forward (``forward_context``), so
+model code never passes them down through every layer."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+    from engine.interfaces import AttentionBackend
+
+
+@dataclass
+class ForwardContext:
+    backend: "AttentionBackend"
+    batch: "ForwardBatch"
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    assert _current is not None, "attention ran outside forward_context(); use ModelRunner.forward"
+    return _current
+
+
+@contextmanager
+def forward_context(backend: "AttentionBackend", batch: "ForwardBatch"):
+    global _current
+    assert _current is None, "forward_context() is not re-entrant"
+    _current = ForwardContext(backend, batch)
+    try:
+        yield _current
+    finally:
+        _current = None
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        ctx = get_forward_context()
+        return ctx.backend.forward(q, k, v, self.layer_id, ctx.batch)

@@ -1,0 +1,114 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Module names follow
+the HF checkpoints so the loader maps names one to one, except the packed projections below."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.attention import Attention
+from engine.layers.embedding import Embedding, LMHead
+from engine.layers.linear import Linear, MergedLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = MergedLinear(
+            c.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, c.qkv_bias)
+        self.o_proj = Linear(q_size, c.hidden_size, c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.attn = Attention(layer_id, c.num_heads, c.num_kv_heads, c.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.forward_split(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.gate_up_proj = MergedLinear(
+            c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size},
+            c.mlp_bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)  # looked up once for all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection -> (our packed module, its shard); see MergedLinear
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q_proj"), "k_proj": ("qkv_proj", "k_proj"),
+        "v_proj": ("qkv_proj", "v_proj"),
+        "gate_proj": ("gate_up_proj", "gate_proj"), "up_proj": ("gate_up_proj", "up_proj"),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] at ``batch.logits_indices``, or [T, V] for every new token."""
+        h = self.model(batch.input_ids, batch.positions)
+        if not return_all_logits:
+            h = h[batch.logits_indices]  # the norm is per token, so select before it
+        return self.lm_head(self.model.norm(h))

@@ -1,0 +1,70 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; runs one batch forward."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from engine.device import DeviceInfo
+from engine.forward_batch import ForwardBatch
+from engine.interfaces import BackendContext, KVDtype
+from engine.layers.attention import forward_context
+from engine.memory.kv_pool import KVPool
+from engine.models.config import ModelConfig
+from engine.models.dtype import resolve_dtype
+from engine.models.loader import load_model, weight_bytes
+
+
+def resolve_model_class(registries, architecture: str):
+    """The registered class for ``architecture``; a "module:attr" string is imported now."""
+    obj = registries.models.get(architecture).obj
+    if isinstance(obj, str):
+        module, _, attr = obj.partition(":")
+        obj = getattr(importlib.import_module(module), attr)
+    return obj
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, registries, device: DeviceInfo, dtype: str = "auto",
+                 attention_factory=None, kv_dtype: KVDtype | None = None):
+        self.device = device
+        self.model_config = ModelConfig.from_dir(model_path, registries.models)
+        self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
+        model_cls = resolve_model_class(registries, self.model_config.architecture)
+        self.model = load_model(model_cls, self.model_config, model_path, self.dtype,
+                                device.torch_device)
+        self.weight_bytes = weight_bytes(self.model)
+        self.attention_factory = attention_factory or registries.attention.get("torch_native").obj
+        self.kv_dtype = kv_dtype or KVDtype()
+        self.kv_pool: KVPool | None = None
+        self.backend = None
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        return self.kv_dtype.storage or self.dtype
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        size = torch.empty((), dtype=self.kv_storage_dtype).element_size()
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * size
+
+    def init_kv_pool(self, num_tokens: int, page_size: int = 1, max_reqs: int = 256,
+                     max_context_len: int = 4096) -> KVPool:
+        c = self.model_config
+        self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_tokens,
+                              self.kv_storage_dtype, self.device.torch_device, page_size,
+                              max_reqs, max_context_len, needs_scale=self.kv_dtype.needs_scale)
+        ctx = BackendContext(self.kv_pool, c.layer_specs(), self.device.torch_device, self.dtype)
+        self.backend = self.attention_factory(ctx)
+        return self.kv_pool
+
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """float32 logits [B, V] at each request's last new token ([T, V] with
+        ``return_all_logits``)."""
+        assert self.backend is not None, "call init_kv_pool() before forward()"
+        with torch.inference_mode():
+            self.backend.init_forward_metadata(batch)
+            with forward_context(self.backend, batch):
+                logits = self.model(batch, return_all_logits)
+        return logits.float()

@@ -1,0 +1,148 @@
+"""Shared fixtures. Model fixtures build tiny random-init HF checkpoints, once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def registries():
+    from engine.plugins import get_registries
+
+    return get_registries()
+
+
+@pytest.fixture(scope="session")
+def cpu_device():
+    from engine.device import detect_device
+
+    return detect_device("cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    from engine.testing import train_tokenizer
+
+    return train_tokenizer(str(tmp_path_factory.mktemp("tiny-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(case="llama", **config_overrides) -> path``: ``case`` is a name from
+    ``engine.testing.TINY_CASES`` or an HF architecture; each distinct call is built once."""
+    from engine.testing import TINY_CASES, make_tiny_model
+
+    built: dict = {}
+
+    def make(case: str = "llama", **overrides) -> str:
+        key = (case, repr(sorted(overrides.items())))
+        if key not in built:
+            arch, base = TINY_CASES.get(case, (case, {}))
+            out = tmp_path_factory.mktemp(f"tiny-{case}")
+            built[key] = make_tiny_model(str(out), arch, **{**base, **overrides})
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(request, tiny_model_factory):
+    """A tiny checkpoint directory; parametrize indirectly with a TINY_CASES name or an
+    architecture (default: "llama")."""
+    return tiny_model_factory(getattr(request, "param", "llama"))
+
+
+@pytest.fixture
+def single_torch_thread():
+    """Run a test on one torch thread. Tiny models gain nothing from more, and on a shared
+    2-core machine OpenMP's barrier waits make 2 threads several times slower under load."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- engine serve (tests/test_server*.py) ---------------------------------------------------
+# A real `engine serve` subprocess on 127.0.0.1 and a free port; every wait is bounded.
+class ServerProcess:
+    def __init__(self, args: list[str], log_path, api_key: str | None):
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        engine = os.path.join(os.path.dirname(sys.executable), "engine")
+        cmd = [engine, "serve", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        # one torch thread: tiny models gain nothing from more on a shared 2-core machine
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 90.0) -> "ServerProcess":
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model_factory, tmp_path_factory):
+    """``start(*flags, api_key=None) -> ServerProcess`` (ready), serving the tiny llama with a
+    small KV pool; every server still running at the end of the session is stopped."""
+    started = []
+
+    def start(*flags: str, api_key: str | None = None) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        args = ["--model", tiny_model_factory("llama"), "--max-total-tokens", "4096", *flags]
+        server = ServerProcess(args, log, api_key)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
+# ---- end engine serve ------------------------------------------------------------------------
