@@ -37,11 +37,7 @@ class TorchNativeBackend(AttentionBackend):
         self.kv_pool = ctx.kv_pool
         self.layers = ctx.layers
         self.windows = sorted({s.sliding_window for s in ctx.layers}, key=lambda w: w or 0)
-        self.groups: list[_Group] = []
-        # padded key positions read scratch slot 0; masked keys get probability 0, but 0 * NaN
-        # is NaN, so the never-written (torch.empty) slot must hold finite values
-        for buf in (*self.kv_pool.k_buffer, *self.kv_pool.v_buffer):
-            buf[0].zero_()
+        self.groups: list[_Group] = []  # padded key positions read the pool's zeroed slot 0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         ext = batch.extend_lens_list

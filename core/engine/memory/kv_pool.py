@@ -26,6 +26,10 @@ class KVPool:
         # torch.empty: never zero-fill gigabytes at start
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in (*self.k_buffer, *self.v_buffer):
+            # padded metadata reads the scratch page; masked keys get probability 0, but
+            # 0 * NaN is NaN, so it must hold finite values
+            buf[:page_size].zero_()
         # per-layer dequantization scales (stay 1.0 unless a KV dtype that needs them sets them)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
@@ -119,8 +123,10 @@ class KVPool:
 
     def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype):
         """K and V at slots ``loc`` (any shape), dequantized to ``dtype``."""
-        k = self.k_buffer[layer_id][loc].to(dtype)
-        v = self.v_buffer[layer_id][loc].to(dtype)
+        # index_select on flat slots gathers ~3x faster than advanced indexing on CPU
+        flat, shape = loc.reshape(-1), (*loc.shape, *self.k_buffer[0].shape[1:])
+        k = self.k_buffer[layer_id].index_select(0, flat).view(shape).to(dtype)
+        v = self.v_buffer[layer_id].index_select(0, flat).view(shape).to(dtype)
         if self.needs_scale:
             k = k * self.k_scale[layer_id]
             v = v * self.v_scale[layer_id]

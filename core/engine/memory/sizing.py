@@ -67,6 +67,11 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
         raise EngineError(f"--max-total-tokens {total} is smaller than one page "
                           f"(--page-size {config.page_size}).")
     context = config.max_model_len or model_context_len
+    if context > model_context_len:
+        raise EngineError(
+            f"--max-model-len {context} is longer than the model's max_position_embeddings "
+            f"({model_context_len}); its rotary embedding is not defined past that. Use at most "
+            f"{model_context_len}.")
     max_running = config.max_running_requests or max(1, min(total // 2, REQUEST_POOL_SIZE[kind]))
     chunk = config.chunked_prefill_size
     if chunk is None:
