@@ -6,6 +6,7 @@ import click
 
 from engine.plugins import load_plugins
 from engine_cli.plugins_cmd import plugins_command
+from engine_cli.serve_cmd import serve_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,5 +16,6 @@ def cli():
 
 
 cli.add_command(plugins_command)
+cli.add_command(serve_command)
 
 load_plugins().hook.register_commands(cli=cli)

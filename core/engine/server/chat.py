@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, ``n`` choices, logprobs, SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from engine.server.body import read_model
+from engine.server.errors import bad_request
+from engine.server.handle import Handle
+from engine.server.openai import ChatCompletionRequest
+from engine.server.serving import (
+    OPENAI_NAMES,
+    abort,
+    check_model,
+    delta_error,
+    engine_params,
+    openai_sampling,
+    state,
+    submit,
+    submitted,
+    unless_disconnected,
+    usage,
+)
+from engine.server.streaming import DONE, EventStream, sse
+
+
+def prepare_chat(messages: list[dict], sampling: dict, add_generation_prompt: bool,
+                 template_kwargs: dict | None):
+    def run(engine):
+        tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions "
+                              "with a prompt instead", param="messages")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, TypeError)
+            raise bad_request(f"the chat template could not render these messages: {e}",
+                              param="messages") from None
+        # the template already wrote the special tokens (BOS) it wants
+        ids = tok.encode(text, add_special_tokens=False)
+        return ids, engine_params(engine, ids, sampling)
+    return run
+
+
+def _message(m) -> dict:
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+async def create_chat_completion(request: Request):
+    st = state(request)
+    body: ChatCompletionRequest = await read_model(request, ChatCompletionRequest,
+                                                   st.settings.max_request_bytes)
+    check_model(st, body.model)
+    max_new = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    sampling = openai_sampling(body, max_new, body.logprobs, body.top_logprobs or 0)
+    prepare = prepare_chat([_message(m) for m in body.messages], sampling,
+                           body.add_generation_prompt, body.chat_template_kwargs)
+    items = [(Handle(body.stream, body.logprobs), prepare)]
+    chat = _Chat(st, body)
+    if body.stream:
+        handles = await submit(st, items, OPENAI_NAMES)
+        return EventStream(chat.events(handles[0]), on_close=lambda: abort(st, handles))
+    async with submitted(st, items, OPENAI_NAMES) as (h,):
+        results = await unless_disconnected(request, h.results()) if h.reqs else []
+    choices = []
+    for d in results:
+        if d.error:
+            raise delta_error(d)
+        choice = {"index": d.index, "message": {"role": "assistant", "content": d.text},
+                  "logprobs": chat.logprobs(d), "finish_reason": d.finish_reason}
+        if d.finish_reason == "stop":
+            choice["matched_stop"] = d.matched_stop
+        choices.append(choice)
+    completion = sum(d.completion_tokens for d in results)
+    cached = sum((d.meta or {}).get("cached_tokens", 0) for d in results[:1])
+    return JSONResponse({**chat.header("chat.completion"), "choices": choices,
+                         "usage": usage(len(h.prompt_ids), completion, cached)})
+
+
+class _Chat:
+    def __init__(self, st, body: ChatCompletionRequest):
+        self.st, self.body = st, body
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def header(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.st.settings.served_model_name}
+
+    def logprobs(self, d) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for t, lp, row in zip(d.token_ids, d.logprobs, d.top_logprobs):
+            piece = d.pieces[t]
+            top = [{"token": d.pieces[i], "logprob": v, "bytes": list(d.pieces[i].encode())}
+                   for i, v in row]
+            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
+                            "top_logprobs": top})
+        return {"content": content}
+
+    async def events(self, h: Handle):
+        with_usage = self.body.stream_options is not None and \
+            self.body.stream_options.include_usage
+        extra = {"usage": None} if with_usage else {}
+
+        def chunk(choice: dict) -> bytes:
+            return sse({**self.header("chat.completion.chunk"), "choices": [choice], **extra})
+
+        for i in range(len(h.reqs)):
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+        completion, cached = 0, 0
+        async for d in h.deltas():
+            if d.error:
+                yield sse(delta_error(d).body())
+                continue
+            if not d.text and d.finish_reason is None and not (self.body.logprobs and
+                                                                d.token_ids):
+                continue  # the detokenizer is holding text back (a partial character or stop)
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                      "logprobs": self.logprobs(d) if d.token_ids else None,
+                      "finish_reason": d.finish_reason}
+            if d.finish_reason is not None:
+                completion += d.completion_tokens
+                cached = cached or (d.meta or {}).get("cached_tokens", 0)
+                if d.finish_reason == "stop":
+                    choice["matched_stop"] = d.matched_stop
+            yield chunk(choice)
+        if with_usage:
+            yield sse({**self.header("chat.completion.chunk"), "choices": [],
+                       "usage": usage(len(h.prompt_ids), completion, cached)})
+        yield DONE

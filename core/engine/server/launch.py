@@ -1,0 +1,64 @@
+"""Run the server on uvicorn in this process: the engine loop on its own thread, graceful stop.
+
+On SIGTERM / SIGINT: stop accepting connections, refuse new requests on open ones (503), let
+in-flight requests finish for up to the grace period, abort what is left, exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+import uvicorn
+
+from engine.server.app import build_app
+from engine.server.metrics import ServerMetrics
+from engine.server.runtime import EngineRuntime
+from engine.server.serving import ServerSettings
+
+logger = logging.getLogger("engine.server")
+
+
+class _GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, runtime: EngineRuntime):
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.runtime.draining:
+            logger.info(f"signal {signal.Signals(sig).name}: draining (grace period "
+                        f"{self.config.timeout_graceful_shutdown:g} s)")
+        self.runtime.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal after its graceful shutdown, so the process would report
+        # "killed by SIGTERM"; a completed graceful stop is a success, so install the handlers
+        # without re-raising.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
+    """Serve ``engine`` over HTTP until a signal stops it."""
+    metrics = ServerMetrics(settings.served_model_name)
+    runtime = EngineRuntime(engine, metrics, engine.config.max_queued_requests)
+    app = build_app(runtime, settings, metrics)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                            access_log=log_level == "debug",
+                            timeout_graceful_shutdown=settings.shutdown_grace_period,
+                            lifespan="on")
+    logger.info(f"serving '{settings.served_model_name}' on http://{settings.host}:"
+                f"{settings.port}")
+    _GracefulServer(config, runtime).run()
+    logger.info("server stopped")

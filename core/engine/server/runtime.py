@@ -1,0 +1,235 @@
+"""The engine loop on its own thread, bridged to asyncio.
+
+Only the engine thread touches the Engine (its scheduler, KV pool and tokenizer); the HTTP side
+sends it jobs through a thread-safe queue and gets results and token deltas back on the event
+loop through ``call_soon_threadsafe``, one call per step for all requests. So a slow forward
+never blocks the HTTP side, and nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.server.handle import Delta, Handle, final_delta, stream_delta
+from engine.server.prompt_logprobs import RETRY
+
+logger = logging.getLogger("engine.server")
+IDLE_WAKE_S = 0.5  # idle ticks keep the throughput gauge falling to zero
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class EngineFailed(Exception):
+    pass
+
+
+class EngineRuntime:
+    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queued = max_queued_requests
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self.failed: str | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
+        self._deferred: list[Callable[[], Any]] = []
+        self._wake = threading.Event()
+        self._stop = False
+        self._live: dict = {}  # Req -> (Handle, index)
+        self._pieces: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+
+    # -- the HTTP side (event loop thread) ------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failed is None
+
+    async def call(self, fn: Callable[[Any], Any]):
+        """Run ``fn(engine)`` on the engine thread between two steps; returns its result."""
+        if not self.alive:
+            raise EngineFailed(self.failed or "the engine loop is not running")
+        loop, fut = self.loop, self.loop.create_future()
+
+        def job():
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting request
+                result, error = None, e
+            if result is RETRY:
+                if self.engine.scheduler.has_work:
+                    return RETRY  # slots will free up as running requests finish
+                result, error = None, EngineFailed("not enough free KV slots for this job")
+            loop.call_soon_threadsafe(_settle, fut, result, error)
+
+        self._jobs.put(job)
+        self._wake.set()
+        return await fut
+
+    async def submit(self, items: list[tuple[Handle, Callable[[Any], tuple]]]) -> None:
+        """Queue several prompts at once, all or none. Each ``prepare(engine) -> (prompt ids,
+        SamplingParams)`` runs on the engine thread (it tokenizes). A prompt whose
+        max_new_tokens is 0 is only checked (echo / scoring), never run."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
+
+        def add(engine):
+            prepared = [(handle, *prepare(engine)) for handle, prepare in items]
+            for _, ids, params in prepared:
+                engine.check_request(ids, params)
+            new = sum(p.n for _, _, p in prepared if p.max_new_tokens > 0)
+            waiting = len(engine.scheduler.waiting)
+            if self.max_queued is not None and new and waiting + new > self.max_queued:
+                raise QueueFull(f"the queue is full ({waiting} waiting, --max-queued-requests "
+                                f"{self.max_queued}); retry later")
+            for handle, ids, params in prepared:
+                handle.prompt_ids = list(ids)
+                if params.max_new_tokens == 0:
+                    continue
+                handle.reqs = engine.add_request(ids, params, rid=handle.rid,
+                                                 stream=handle.stream)
+                n = len(handle.reqs)
+                handle._sent_text, handle._sent_ids, handle._last = [0] * n, [0] * n, [None] * n
+                for i, r in enumerate(handle.reqs):
+                    self._live[r] = (handle, i)
+
+        await self.call(add)
+
+    def pieces(self, ids) -> dict[int, str]:
+        """The text of each token alone (for logprobs); engine thread only."""
+        for t in ids:
+            if t not in self._pieces:
+                self._pieces[t] = self.engine.tokenizer.decode([t])
+        return {t: self._pieces[t] for t in ids}
+
+    def abort(self, handle: Handle) -> None:
+        """Abort what is left of ``handle`` (the client went away); never blocks."""
+        if not self.alive:
+            return
+
+        def job():
+            for r in handle.reqs:
+                if self._live.pop(r, None) is not None:
+                    self.engine.abort(r)
+
+        self._jobs.put(job)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug: say so on /health rather than hang every request
+            logger.exception("the engine loop crashed")
+            self.failed = f"the engine loop crashed: {type(e).__name__}: {e}"
+        self._fail_all(self.failed or "the server is shutting down",
+                       reason="error" if self.failed else "abort")
+
+    def _serve(self) -> None:
+        scheduler = self.engine.scheduler
+        while not self._stop:
+            self._wake.clear()
+            ran = self._run_jobs()
+            if scheduler.has_work:
+                try:
+                    touched = self.engine.step()
+                except Exception:  # a bug, not a bad request: fail loudly, keep serving
+                    logger.exception("engine step failed; aborting every running request")
+                    self._fail_all("internal error in the engine step (see the server log)")
+                    continue
+                self._publish(touched)
+                if self._deferred:
+                    jobs, self._deferred = self._deferred, []
+                    for job in jobs:
+                        self._jobs.put(job)
+            elif not ran:
+                self._wake.wait(IDLE_WAKE_S)
+            if self.metrics is not None:
+                self.metrics.sync(scheduler)
+
+    def _run_jobs(self) -> bool:
+        ran = False
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            try:
+                if job() is RETRY:
+                    self._deferred.append(job)
+            except Exception:  # call() hands its own errors over; this is an abort failing
+                logger.exception("an engine-thread job failed")
+
+    def _publish(self, touched) -> None:
+        now, out = time.monotonic(), []
+        for r in touched:
+            entry = self._live.get(r)
+            if entry is None:
+                continue
+            handle, i = entry
+            if handle._last[i] is not None and self.metrics is not None:
+                self.metrics.itl.observe(now - handle._last[i])
+            handle._last[i] = now
+            if r.finished:
+                del self._live[r]
+            if handle.stream:
+                delta = stream_delta(self.engine, handle, i, r)
+            elif r.finished:
+                delta = final_delta(self.engine, i, r)
+            else:
+                continue
+            if handle.want_pieces:
+                delta.pieces = self.pieces(
+                    [*delta.token_ids, *(t for row in delta.top_logprobs for t, _ in row)])
+            out.append((handle, delta))
+        if out:
+            self.loop.call_soon_threadsafe(_deliver, out)
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        out = []
+        for r, (handle, i) in list(self._live.items()):
+            try:
+                self.engine.abort(r)
+            except Exception:
+                logger.exception(f"could not abort {r.rid}")
+            out.append((handle, Delta(i, "", [], finish_reason=reason,
+                                      completion_tokens=len(r.output_ids), error=message)))
+        self._live.clear()
+        if out and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_deliver, out)
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.done():  # the awaiting request was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+def _deliver(batch) -> None:
+    for handle, delta in batch:
+        handle.queue.put_nowait(delta)
