@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from engine.plugins import load_plugins
+from engine_cli.generate_cmd import generate_command
 from engine_cli.plugins_cmd import plugins_command
 from engine_cli.serve_cmd import serve_command
 
@@ -17,5 +18,6 @@ def cli():
 
 cli.add_command(plugins_command)
 cli.add_command(serve_command)
+cli.add_command(generate_command)
 
 load_plugins().hook.register_commands(cli=cli)

@@ -7,6 +7,7 @@ import json
 import click
 
 from engine.plugins import get_registries, list_plugins
+from engine.registry import backend_kv_dtypes
 
 SECTIONS = (
     ("attention", "Attention backends"),
@@ -35,6 +36,8 @@ def collect(device) -> dict:
                          "plugin": entry.plugin, "available": reason is None, "reason": reason,
                          **{k: list(v) if isinstance(v, tuple) else v
                             for k, v in entry.extra.items()}})
+            if key == "attention":  # "any" spelled out: every registered KV dtype
+                rows[-1]["kv_dtypes"] = backend_kv_dtypes(regs, entry)
         out[key] = rows
     return out
 

@@ -1,0 +1,129 @@
+"""The engine knobs as SGLang-spelled click options, shared by `engine serve` and `engine generate`,
+plus the plugins' own options."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+from engine.config import EngineConfig
+from engine.plugins import get_registries
+from engine.registry import UnknownName, resolve_policy
+
+from engine_cli.demo import DEMO_MODEL
+
+_D = EngineConfig()  # the engine's defaults, shown in --help
+
+
+class RegistryChoice(click.ParamType):
+    """A name from one of the plugin registries; a wrong one fails with the registry's message
+    (did-you-mean, what is registered and by which distribution)."""
+
+    def __init__(self, registry: str, special: tuple[str, ...] = ()):
+        self.registry, self.special = registry, special
+        self.name = registry
+
+    def _names(self) -> list[str]:
+        return [*self.special, *getattr(get_registries(), self.registry).names()]
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join(self._names()) + "]"
+
+    def convert(self, value, param, ctx):
+        if value is None or value in self.special:
+            return value
+        regs = get_registries()
+        try:
+            if self.registry == "policies":
+                resolve_policy(regs, value)  # also says which package to install when empty
+            else:
+                getattr(regs, self.registry).get(value)
+        except UnknownName as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+def _plugin_options(command: click.Command) -> dict[str, tuple[str, str]]:
+    """Append each plugin EngineOption to ``command``; returns param name -> (plugin, dest)."""
+    taken = {opt for p in command.params for opt in getattr(p, "opts", ())}
+    dests = {}
+    for i, (plugin, option) in enumerate(get_registries().serve_options):
+        if option.flag in taken:
+            logging.getLogger("engine").warning(
+                f"plugin {plugin}: serve option {option.flag} is already defined; ignored")
+            continue
+        name = f"plugin_option_{i}"
+        kwargs = {"default": option.default, "show_default": option.default is not None,
+                  "help": f"{option.help} (from plugin {plugin})".strip()}
+        if option.type is bool:
+            kwargs["is_flag"] = True
+        else:
+            kwargs["type"] = option.type
+        command.params.append(click.Option([option.flag, name], **kwargs))
+        taken.add(option.flag)
+        dests[name] = (plugin, option.dest)
+    return dests
+
+
+class EngineCommand(click.Command):
+    """Appends the plugins' options on first use: building the registries imports torch, which
+    `engine --help` and the other subcommands should not pay for."""
+
+    plugin_dests: dict[str, tuple[str, str]] | None = None
+
+    def get_params(self, ctx):
+        if self.plugin_dests is None:
+            self.plugin_dests = _plugin_options(self)
+        return super().get_params(ctx)
+
+
+def split_options(kwargs: dict, plugin_dests: dict, other: tuple[str, ...]) -> tuple[dict, dict]:
+    """(EngineConfig kwargs with plugin_options filled, the ``other`` command's own kwargs)."""
+    kwargs = dict(kwargs)
+    server = {k: kwargs.pop(k) for k in other if k in kwargs}
+    plugin_options: dict = {}
+    for name, (plugin, dest) in plugin_dests.items():
+        plugin_options.setdefault(plugin, {})[dest] = kwargs.pop(name)
+    return {**kwargs, "plugin_options": plugin_options}, server
+
+
+ENGINE_OPTIONS = [
+    click.option("--model", "--model-path", "model", default=DEMO_MODEL,
+                 show_default="the bundled demo model",
+                 type=click.Path(exists=True, file_okay=False),
+                 help="A Hugging Face model directory (config.json, safetensors, tokenizer)."),
+    click.option("--tokenizer", help="Tokenizer directory.  [default: the model's]"),
+    click.option("--dtype", default=_D.dtype,
+                 type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+    click.option("--device", default=_D.device, type=click.Choice(["auto", "cpu", "cuda"])),
+    click.option("--attention-backend", default=_D.attention_backend,
+                 type=RegistryChoice("attention", ("auto",))),
+    click.option("--kv-cache-dtype", default=_D.kv_cache_dtype, type=RegistryChoice("kv_dtypes")),
+    click.option("--quantization", default=None, type=RegistryChoice("quantization")),
+    click.option("--page-size", default=_D.page_size, type=int, help="Tokens per KV page."),
+    click.option("--mem-fraction-static", type=float,
+                 help="Share of device memory for weights + KV pool.  [default: per device]"),
+    click.option("--max-total-tokens", type=int, help="KV pool size in tokens (overrides "
+                                                       "--mem-fraction-static)."),
+    click.option("--max-running-requests", type=int, help="Cap on the running batch.  "
+                                                           "[default: from the pool size]"),
+    click.option("--max-model-len", "--context-length", "max_model_len", type=int,
+                 help="Longest prompt + output.  [default: the model's]"),
+    click.option("--schedule-policy", default=_D.schedule_policy, type=RegistryChoice("policies")),
+    click.option("--schedule-conservativeness", default=_D.schedule_conservativeness, type=float),
+    click.option("--chunked-prefill-size", type=int,
+                 help="Prompt tokens per step (-1: no chunking).  [default: per device]"),
+    click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
+    click.option("--disable-radix-cache", is_flag=True, help="No prefix sharing."),
+    click.option("--decode-log-interval", default=_D.decode_log_interval, type=int),
+    click.option("--max-queued-requests", type=int,
+                 help="Answer 503 when this many requests already wait.  [default: no limit]"),
+    click.option("--seed", default=_D.seed, type=int),
+]
+
+
+def engine_options(f):
+    """Decorate a command with every engine knob."""
+    for option in reversed(ENGINE_OPTIONS):
+        f = option(f)
+    return f
