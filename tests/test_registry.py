@@ -4,9 +4,10 @@ import pytest
 
 from engine.device import DeviceInfo
 from engine.plugins import PluginInfo, build_registries, load_entry_points, new_plugin_manager, register_builtins
+from engine import hookimpl
 from engine.registry import (BackendUnavailable, IncompatibleOptions, UnknownAttentionBackend,
-                             UnknownName, resolve_attention_backend, resolve_policy,
-                             resolve_quantization)
+                             UnknownName, backend_kv_dtypes, resolve_attention_backend,
+                             resolve_policy, resolve_quantization)
 
 CPU = DeviceInfo("cpu", "CPU (test)")
 H100 = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
@@ -56,11 +57,32 @@ def test_fa3_on_hopper_without_kernels_names_the_extra(regs):
         resolve_attention_backend(regs[0], "fa3", H100)
 
 
-def test_incompatible_kv_dtype(regs):
+def test_incompatible_kv_dtype():
+    class NarrowBackend:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("narrow", lambda ctx: None, kv_dtypes=("auto", "bf16"))
+
+    pm, infos = new_plugin_manager(), {}
+    register_builtins(pm, infos)
+    load_entry_points(pm, infos)
+    pm.register(NarrowBackend(), name="narrow-plugin")
     with pytest.raises(IncompatibleOptions) as err:
-        resolve_attention_backend(regs[0], "torch_native", CPU, kv_dtype="fp8_e5m2")
-    assert str(err.value) == ("'torch_native' does not support --kv-cache-dtype fp8_e5m2 "
-                              "(supports: auto, bf16, fp16, fp32).")
+        resolve_attention_backend(build_registries(pm, infos), "narrow", CPU, kv_dtype="fp8_e5m2")
+    assert str(err.value) == ("'narrow' does not support --kv-cache-dtype fp8_e5m2 "
+                              "(supports: auto, bf16).")
+
+
+def test_torch_native_takes_every_registered_kv_dtype(regs, core_only):
+    # kv_dtypes="any": it reads K/V through the pool, which dequantizes scaled storage
+    assert regs[0].attention.get("torch_native").extra["kv_dtypes"] == "any"
+    assert backend_kv_dtypes(regs[0], regs[0].attention.get("torch_native")) == \
+        regs[0].kv_dtypes.names()
+    for kv in regs[0].kv_dtypes.names():
+        assert resolve_attention_backend(regs[0], "auto", CPU, kv, pm=regs[1]).name == \
+            "torch_native"
+    with pytest.raises(UnknownName, match="provided by engine-quant-fp8, which is not installed"):
+        resolve_attention_backend(core_only, "torch_native", CPU, kv_dtype="fp8_e4m3")
 
 
 def test_unknown_kv_dtype_is_reported(regs):
@@ -88,6 +110,27 @@ def test_policy_resolution(regs, core_only):
         resolve_policy(core_only, "lpm")
 
 
-def test_not_implemented_quantization_is_refused(regs):
-    with pytest.raises(BackendUnavailable, match="not implemented yet"):
-        resolve_quantization(regs[0], "fp8", CPU)
+FP8_CHECKPOINT = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+
+
+def test_quantization_by_flag_or_detected_from_the_checkpoint(regs):
+    assert resolve_quantization(regs[0], None, CPU, {}) is None
+    assert resolve_quantization(regs[0], "fp8", CPU, {}).name == "fp8"  # quantize at load
+    assert resolve_quantization(regs[0], None, CPU, FP8_CHECKPOINT).name == "fp8"  # detected
+    assert resolve_quantization(regs[0], "fp8", CPU, FP8_CHECKPOINT).name == "fp8"
+
+
+def test_quantization_the_checkpoint_names_but_nobody_provides(regs, core_only):
+    with pytest.raises(UnknownName) as err:
+        resolve_quantization(core_only, None, CPU, FP8_CHECKPOINT)
+    msg = str(err.value)
+    assert msg.startswith("The checkpoint is quantized with 'fp8' (config.json "
+                          "quantization_config.quant_method), which no installed plugin provides.")
+    assert "pip install ./plugins/quant_fp8" in msg
+    awq = {"quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(UnknownName, match="Install a plugin that registers quantization "
+                                          "method 'awq'"):
+        resolve_quantization(regs[0], None, CPU, awq)
+    with pytest.raises(IncompatibleOptions, match="--quantization fp8 does not match the "
+                                                  "checkpoint, which is quantized with 'awq'"):
+        resolve_quantization(regs[0], "fp8", CPU, awq)

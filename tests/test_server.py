@@ -64,7 +64,10 @@ def stop_with_requests_in_flight(s):
     (short, long), elapsed = asyncio.run(asyncio.wait_for(main(), 60))
     assert s.proc.wait(30) == 0, s.log()[-3000:]
     assert short[-1] == "data: [DONE]", (short[-2:], elapsed)
-    assert long[-1] != "data: [DONE]" or '"finish_reason": "abort"' in long[-2], long[-2:]
+    # the long one is cut or aborted when the grace period runs out; on a fast machine it may
+    # also finish inside the grace period, which is just as right
+    finished = long[-1] == "data: [DONE]" and '"finish_reason": "abort"' not in long[-2]
+    assert not finished or elapsed < 2 + 1, (long[-2:], elapsed)
     assert elapsed < 15, elapsed
 
 

@@ -256,13 +256,13 @@ def test_plugin_serve_options_become_flags(monkeypatch):
     import click
     from click.testing import CliRunner
     from engine.interfaces import EngineOption
-    from engine_cli import serve_cmd
+    from engine_cli import options
 
     registries = SimpleNamespace(serve_options=[
         ("myplug", EngineOption("--my-knob", int, 3, "A knob.")),
         ("myplug", EngineOption("--my-switch", bool, False, "A switch.")),
         ("other", EngineOption("--model", str, None, "Clashes."))])
-    monkeypatch.setattr(serve_cmd, "get_registries", lambda: registries)
+    monkeypatch.setattr(options, "get_registries", lambda: registries)
     seen = {}
 
     @click.command()
@@ -270,11 +270,11 @@ def test_plugin_serve_options_become_flags(monkeypatch):
     def command(**kwargs):
         seen.update(kwargs)
 
-    dests = serve_cmd._plugin_options(command)
+    dests = options._plugin_options(command)
     assert len(dests) == 2  # the clashing --model is skipped with a warning
     assert "A knob. (from plugin myplug)" in CliRunner().invoke(command, ["--help"]).output
     flags = ["--model", "m", "--my-knob", "7", "--my-switch"]
     assert CliRunner().invoke(command, flags).exit_code == 0
-    config, _ = serve_cmd.split_options(seen, dests)
+    config, _ = options.split_options(seen, dests, ())
     assert config == {"model": "m",
                       "plugin_options": {"myplug": {"my_knob": 7, "my_switch": True}}}

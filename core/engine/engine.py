@@ -20,6 +20,7 @@ class RequestError(EngineError, ValueError):
 class Engine:
     def __init__(self, model: str | None = None, **kwargs):
         from engine.device import detect_device
+        from engine.models.config import ModelConfig
         from engine.plugins import get_registries, load_plugins
         from engine.registry import (resolve_attention_backend, resolve_kv_dtype, resolve_policy,
                                      resolve_quantization)
@@ -34,13 +35,16 @@ class Engine:
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
                                                config.kv_cache_dtype, pm=pm)
-        if config.quantization:
-            resolve_quantization(regs, config.quantization, self.device)
+        hf_config = ModelConfig.from_dir(config.model, regs.models).hf_config
+        # --quantization, or the method the checkpoint declares (then logged as detected)
+        quant_entry = resolve_quantization(regs, config.quantization, self.device, hf_config)
         self.attention_backend = attn_entry.name
-        self._build(regs, policy_entry, kv_entry, attn_entry)
+        self.quantization = quant_entry.name if quant_entry else None
+        self._build(regs, policy_entry, kv_entry, attn_entry, quant_entry)
         pm.hook.engine_started(engine=self)
 
-    def _build(self, regs, policy_entry, kv_entry, attn_entry) -> None:
+    def _build(self, regs, policy_entry, kv_entry, attn_entry, quant_entry) -> None:
+        import torch
         from transformers import AutoTokenizer
 
         from engine.memory.radix_cache import RadixCache
@@ -54,10 +58,14 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.runner = runner = ModelRunner(
             config.model, registries=regs, device=self.device, dtype=config.dtype,
-            attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj)
+            attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
+            quant_method=quant_entry.obj if quant_entry else None)
         mc = runner.model_config
+        # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
+        reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
+                     if kv_entry.obj.needs_scale else None)
         self.sizing = plan(config, self.device, runner.weight_bytes, runner.kv_bytes_per_token(),
-                           config.kv_cache_dtype, mc.max_position_embeddings)
+                           config.kv_cache_dtype, mc.max_position_embeddings, reference)
         pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
                                    self.sizing.max_running_requests, self.sizing.context_length)
         cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
@@ -70,11 +78,19 @@ class Engine:
             policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
             mc.vocab_size, on_step=lambda stats: pm.hook.step_finished(stats=stats))
         logger.info(f"model {config.model}: {mc.architecture}, {runner.dtype_reason}")
+        if quant_entry is not None:
+            how = ("--quantization" if config.quantization else
+                   "detected from the checkpoint's quantization_config")
+            logger.info(f"quantization: {quant_entry.name} ({quant_entry.origin}), {how}")
         logger.info(f"attention backend: {attn_entry.name} ({attn_entry.origin}); "
                     f"schedule policy: {policy_entry.name}; radix cache: "
                     f"{'disabled' if cache is None else 'enabled'}")
         for line in self.sizing.lines():
             logger.info(line)
+        if kv_entry.obj.needs_scale:
+            scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
+                      "1.0 (none in the checkpoint)")
+            logger.info(f"KV cache {config.kv_cache_dtype}: per-layer K/V scales {scales}")
 
     # -- requests ------------------------------------------------------------------------------
     def make_params(self, sampling_params):

@@ -21,7 +21,9 @@ def register_attention_backends(register):
     description="")``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
     (``ctx`` is an :class:`engine.interfaces.BackendContext`); ``check(device) -> str | None``
     returns None when the backend can run on ``device`` (a :class:`engine.device.DeviceInfo`),
-    else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts;
+    else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts
+    (or is ``"any"``: every registered one, for a backend that reads K/V through the pool's
+    dequantizing ``get_kv``);
     ``priority`` orders the candidates of ``--attention-backend auto``.
     """
 

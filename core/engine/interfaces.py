@@ -85,7 +85,19 @@ class SchedulePolicy(ABC):
 
 
 class QuantMethod(ABC):
-    """A weight quantization method (a module swap, gpt-fast style)."""
+    """A weight quantization method (a module swap, gpt-fast style).
+
+    The loader builds the model on the meta device, casts it to the activation dtype, calls
+    :meth:`convert`, materializes it, loads the checkpoint, then calls :meth:`process_weights`
+    on every module. Swappable layers carry ``quantizable = True``, ``in_features``,
+    ``out_features``, ``bias`` (a parameter or None) and ``shards`` (None, or for a packed
+    projection like qkv_proj: checkpoint projection name -> output rows, in order). A swapped-in
+    module keeps ``forward(x)``, and for a packed one ``shard_names``, ``shard_rows(name) ->
+    (first row, rows)`` and ``forward_split(x)``. It may take its checkpoint tensors over (a
+    bf16 weight to quantize, an fp8 weight plus its ``weight_scale``): it then defines
+    ``checkpoint_tensors() -> (required names, optional names)`` and ``load_tensor(name, tensor,
+    shard)`` (see models/loader.py). ``model.config.hf_config`` is the checkpoint's config.json.
+    """
 
     @abstractmethod
     def detect(self, hf_config: dict) -> bool:
@@ -93,10 +105,11 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def convert(self, model: Any) -> Any:
-        """Swap the model's linear layers for quantized ones before weights are loaded."""
+        """Swap the model's linear layers for quantized ones (on the meta device, before the
+        weights are loaded); returns the model."""
 
     def process_weights(self, module: Any) -> None:
-        """Post-process one module after its weights are loaded (quantize on the fly, ...)."""
+        """Post-process one module after all weights are loaded (check, repack, ...)."""
 
 
 class ParallelStrategy(ABC):

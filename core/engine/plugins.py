@@ -104,7 +104,8 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
     def attention(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
                   description=""):
         add(regs.attention, "attention", name, factory, check, aliases,
-            kv_dtypes=tuple(kv_dtypes), priority=priority, description=description)
+            kv_dtypes=kv_dtypes if kv_dtypes == "any" else tuple(kv_dtypes), priority=priority,
+            description=description)
 
     def kv_dtype(name, kv):
         add(regs.kv_dtypes, "kv_dtypes", name, kv)

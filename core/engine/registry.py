@@ -152,6 +152,13 @@ def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
     return regs.kv_dtypes.get(name)
 
 
+def backend_kv_dtypes(regs: Registries, entry: Entry) -> list[str]:
+    """The --kv-cache-dtype names an attention backend accepts. It may register "any": every
+    registered KV dtype, when it reads K/V through the pool, which dequantizes."""
+    supported = entry.extra.get("kv_dtypes", ("auto",))
+    return regs.kv_dtypes.names() if supported == "any" else list(supported)
+
+
 def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str = "auto",
                               model_config=None, pm=None) -> Entry:
     """Resolve ``--attention-backend`` (``auto`` included) for ``device`` and ``kv_dtype``."""
@@ -175,7 +182,7 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
         raise BackendUnavailable(
             f"'{entry.name}' ({entry.origin}) is installed but unusable here: {reason}. "
             f"Usable: {', '.join(usable) or 'none'}.")
-    supported = entry.extra.get("kv_dtypes", ("auto",))
+    supported = backend_kv_dtypes(regs, entry)
     if kv_dtype not in supported:
         raise IncompatibleOptions(
             f"'{entry.name}' does not support --kv-cache-dtype {kv_dtype} "
@@ -192,8 +199,30 @@ def resolve_policy(regs: Registries, name: str) -> Entry:
     return regs.policies.get(name)
 
 
-def resolve_quantization(regs: Registries, name: str, device) -> Entry:
-    entry = regs.quantization.get(name)
+def resolve_quantization(regs: Registries, name: str | None, device,
+                         hf_config: dict | None = None) -> Entry | None:
+    """``--quantization NAME``; when unset, the method the checkpoint declares in config.json
+    (``quantization_config.quant_method``), if any, as vLLM does. None: not quantized."""
+    declared = ((hf_config or {}).get("quantization_config") or {}).get("quant_method")
+    declared = str(declared).lower() if declared else None
+    where = "config.json quantization_config.quant_method"
+    if name and declared and name != declared:
+        raise IncompatibleOptions(
+            f"--quantization {name} does not match the checkpoint, which is quantized with "
+            f"'{declared}' ({where}); leave --quantization unset to use '{declared}'.")
+    if not name and not declared:
+        return None
+    try:
+        entry = regs.quantization.get(name or declared)
+    except UnknownName as exc:
+        if name:
+            raise
+        raise UnknownName(f"The checkpoint is quantized with '{declared}' ({where}), which no "
+                          f"installed plugin provides. {exc} Install a plugin that registers "
+                          f"quantization method '{declared}'.") from None
+    if declared and not entry.obj.detect(hf_config):
+        raise EngineError(f"quantization '{entry.name}' ({entry.origin}) does not recognize this "
+                          f"checkpoint's quantization_config.")
     reason = entry.unavailable_reason(device)
     if reason:
         raise BackendUnavailable(

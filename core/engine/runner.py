@@ -9,7 +9,7 @@ import torch
 from engine.device import DeviceInfo
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import BackendContext, KVDtype
-from engine.layers.attention import forward_context
+from engine.layers.attention import Attention, forward_context
 from engine.memory.kv_pool import KVPool
 from engine.models.config import ModelConfig
 from engine.models.dtype import resolve_dtype
@@ -27,14 +27,14 @@ def resolve_model_class(registries, architecture: str):
 
 class ModelRunner:
     def __init__(self, model_path: str, *, registries, device: DeviceInfo, dtype: str = "auto",
-                 attention_factory=None, kv_dtype: KVDtype | None = None):
+                 attention_factory=None, kv_dtype: KVDtype | None = None, quant_method=None):
         self.device = device
         self.model_config = ModelConfig.from_dir(model_path, registries.models)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
         model_cls = resolve_model_class(registries, self.model_config.architecture)
         self.model = load_model(model_cls, self.model_config, model_path, self.dtype,
-                                device.torch_device)
-        self.weight_bytes = weight_bytes(self.model)
+                                device.torch_device, quant_method)
+        self.weight_bytes = weight_bytes(self.model)  # as stored: quantized tensors count as such
         self.attention_factory = attention_factory or registries.attention.get("torch_native").obj
         self.kv_dtype = kv_dtype or KVDtype()
         self.kv_pool: KVPool | None = None
@@ -44,9 +44,10 @@ class ModelRunner:
     def kv_storage_dtype(self) -> torch.dtype:
         return self.kv_dtype.storage or self.dtype
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V per token, in the pool's dtype or in ``dtype``."""
         c = self.model_config
-        size = torch.empty((), dtype=self.kv_storage_dtype).element_size()
+        size = torch.empty((), dtype=dtype or self.kv_storage_dtype).element_size()
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * size
 
     def init_kv_pool(self, num_tokens: int, page_size: int = 1, max_reqs: int = 256,
@@ -55,6 +56,14 @@ class ModelRunner:
         self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_tokens,
                               self.kv_storage_dtype, self.device.torch_device, page_size,
                               max_reqs, max_context_len, needs_scale=self.kv_dtype.needs_scale)
+        self.kv_scales_from_checkpoint = False
+        if self.kv_dtype.needs_scale:  # the checkpoint's scales where it has them, else 1.0
+            for m in self.model.modules():
+                if isinstance(m, Attention):
+                    for name in ("k_scale", "v_scale"):
+                        if getattr(m, name) is not None:
+                            getattr(self.kv_pool, name)[m.layer_id] = getattr(m, name)
+                            self.kv_scales_from_checkpoint = True
         ctx = BackendContext(self.kv_pool, c.layer_specs(), self.device.torch_device, self.dtype)
         self.backend = self.attention_factory(ctx)
         return self.kv_pool

@@ -11,5 +11,6 @@ def _factory(ctx):
 
 @hookimpl
 def register_attention_backends(register):
-    register("torch_native", _factory, kv_dtypes=("auto", "bf16", "fp16", "fp32"), priority=0,
+    # "any": K/V are read through the pool, which dequantizes scaled (fp8) storage on read
+    register("torch_native", _factory, kv_dtypes="any", priority=0,
              description="plain torch SDPA over the paged pool; any device")

@@ -9,8 +9,10 @@ PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("f
 @hookimpl(trylast=True)
 def select_attention_backend(device, model_config, kv_dtype):
     from engine.plugins import get_registries
+    from engine.registry import backend_kv_dtypes
 
-    regs = get_registries().attention
+    registries = get_registries()
+    regs = registries.attention
     major = device.capability[0] if device.capability else None
     preferred = [*PREFERENCE.get(major, ()), "torch_native"]
     ranked = preferred + [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]
@@ -18,6 +20,7 @@ def select_attention_backend(device, model_config, kv_dtype):
         if name not in regs:
             continue
         entry = regs.get(name)
-        if entry.unavailable_reason(device) is None and kv_dtype in entry.extra["kv_dtypes"]:
+        if (entry.unavailable_reason(device) is None
+                and kv_dtype in backend_kv_dtypes(registries, entry)):
             return entry.name
     return None

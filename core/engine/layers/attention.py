@@ -46,6 +46,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # the checkpoint's KV-cache scales (stored = real / scale), None when it has none; the
+        # runner copies them into the pool when the KV dtype stores scaled values
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""

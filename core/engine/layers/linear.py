@@ -1,5 +1,9 @@
 """Linear layers; MergedLinear packs several checkpoint projections (q/k/v, gate/up) into one
-matmul, which is what makes small-batch CPU decode fast."""
+matmul, which is what makes small-batch CPU decode fast.
+
+These are the layers a quantization method may swap (see interfaces.QuantMethod): they say so
+with ``quantizable = True`` and expose ``in_features``, ``out_features``, ``bias`` and, when
+packed, ``shards`` (projection name -> output rows, in order)."""
 
 from __future__ import annotations
 
@@ -9,8 +13,12 @@ from torch import nn
 
 
 class Linear(nn.Module):
+    quantizable = True
+    shards: dict[str, int] | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -24,6 +32,7 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(shards.values()), bias)
+        self.shards = dict(shards)
         self.shard_sizes = list(shards.values())
         self._offsets, start = {}, 0
         for name, size in shards.items():

@@ -33,6 +33,8 @@ class KVPool:
         # per-layer dequantization scales (stay 1.0 unless a KV dtype that needs them sets them)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
+        # scaled values are clamped to the storage range: an overflow would store inf (or NaN)
+        self._max = torch.finfo(dtype).max if needs_scale and dtype.is_floating_point else None
         # a stack of free page ids in a tensor: compact and O(n) per call even for millions of pages
         self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
         self._top = self.num_pages  # _free_stack[:_top] are free; the top hands out low pages first
@@ -118,6 +120,8 @@ class KVPool:
         if self.needs_scale:
             k = k / self.k_scale[layer_id]
             v = v / self.v_scale[layer_id]
+            if self._max is not None:
+                k, v = k.clamp(-self._max, self._max), v.clamp(-self._max, self._max)
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
 

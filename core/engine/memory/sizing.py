@@ -29,9 +29,18 @@ class SizingReport:
     max_prefill_tokens: int
     context_length: int
     page_size: int
+    # what the same pool bytes would hold in a reference KV dtype (set for quantized KV caches)
+    reference_kv_dtype: str | None = None
+    reference_kv_tokens: int | None = None
 
     def lines(self) -> list[str]:
         gib = 1 << 30
+        compare, ref = [], self.reference_kv_tokens
+        if ref:
+            compare = [f"KV cache capacity: {self.max_total_tokens} tokens, "
+                       f"{self.max_total_tokens / ref:.2f}x the {ref} tokens of a "
+                       f"{self.reference_kv_dtype} KV cache in the same "
+                       f"{self.kv_pool_bytes / (1 << 20):.1f} MiB"]
         return [
             f"device: {self.device}, memory available at start: "
             f"{self.available_memory_bytes / gib:.2f} GiB, mem_fraction_static={self.mem_fraction_static}",
@@ -41,6 +50,7 @@ class SizingReport:
             f"max_running_requests={self.max_running_requests}, chunked_prefill_size="
             f"{self.chunked_prefill_size}, max_prefill_tokens={self.max_prefill_tokens}, "
             f"context_len={self.context_length}, page_size={self.page_size}",
+            *compare,
         ]
 
     def as_dict(self) -> dict:
@@ -48,7 +58,8 @@ class SizingReport:
 
 
 def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: str,
-         model_context_len: int) -> SizingReport:
+         model_context_len: int, reference_kv: tuple[str, int] | None = None) -> SizingReport:
+    """``reference_kv``: (dtype name, its KV bytes per token) to compare the capacity with."""
     kind = "cuda" if device.is_cuda else "cpu"
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION[kind]
     if config.max_total_tokens is not None:
@@ -83,4 +94,7 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
         kv_pool_bytes=total * kv_bytes_per_token, max_running_requests=max_running,
         chunked_prefill_size=chunk, max_prefill_tokens=config.max_prefill_tokens,
         context_length=context, page_size=config.page_size,
+        reference_kv_dtype=reference_kv[0] if reference_kv else None,
+        reference_kv_tokens=(total * kv_bytes_per_token // reference_kv[1]
+                             if reference_kv else None),
     )

@@ -1,5 +1,6 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Module names follow
-the HF checkpoints so the loader maps names one to one, except the packed projections below."""
+the HF checkpoints so the loader maps names one to one, except the packed projections (qkv_proj,
+gate_up_proj: MergedLinear, whose shards are the checkpoint's q/k/v and gate/up projections)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import ModelConfig
+from engine.registry import EngineError
 
 
 class SelfAttention(nn.Module):
@@ -41,6 +43,17 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    # quantized checkpoints may carry KV-cache scales here (vLLM / llm-compressor layout); the
+    # runner hands them to the pool when the KV dtype stores scaled values
+    def checkpoint_tensors(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (), ("k_scale", "v_scale")
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, shard: str | None) -> None:
+        if tensor.numel() != 1:
+            raise EngineError(f"self_attn.{name} of layer {self.attn.layer_id} has shape "
+                              f"{tuple(tensor.shape)} in the checkpoint; expected one scale.")
+        setattr(self.attn, name, float(tensor.float()))
 
 
 class MLP(nn.Module):
@@ -88,13 +101,6 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # checkpoint projection -> (our packed module, its shard); see MergedLinear
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q_proj"), "k_proj": ("qkv_proj", "k_proj"),
-        "v_proj": ("qkv_proj", "v_proj"),
-        "gate_proj": ("gate_up_proj", "gate_proj"), "up_proj": ("gate_up_proj", "up_proj"),
-    }
-
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

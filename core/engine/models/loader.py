@@ -1,5 +1,13 @@
-"""HF directory -> model with weights: build on the meta device, materialize once in the target
-dtype and device, then copy each safetensors tensor into place by name."""
+"""HF directory -> model with weights: build on the meta device (where a quantization method swaps
+its layers in), materialize once in the target dtype and device, then hand each safetensors tensor
+to its module by name.
+
+By default a tensor is copied into the parameter of that name. A module may take its tensors over
+(a quantized linear quantizes a bf16 weight as it arrives, keeps an fp8 one with its scale): it
+defines ``checkpoint_tensors() -> (required, optional)``, the local names it accepts, and
+``load_tensor(name, tensor, shard)``. A packed module (``shard_names``, ``shard_rows(shard)``; see
+layers/linear.py) gets its projections' tensors with ``shard`` set to the projection's name.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.layers.linear import MergedLinear
 from engine.registry import EngineError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,57 +52,67 @@ def iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _target(name: str, packed: dict) -> tuple[str, str | None]:
-    """Checkpoint name -> (our parameter name, shard of a MergedLinear or None)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in packed:
-            module, shard = packed[part]
-            return ".".join([*parts[:i], module, *parts[i + 1:]]), shard
-    return name, None
-
-
-def _expected(model: nn.Module) -> set[str]:
-    """Every checkpoint name the model needs (packed shards by their checkpoint names)."""
-    names, done = set(), set()
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
-            if id(p) in done:
-                continue  # a tied weight is loaded under its first name (the embedding)
+def _accepted(module: nn.Module, done: set) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) checkpoint names local to ``module``."""
+    if hasattr(module, "load_tensor"):
+        return module.checkpoint_tensors()
+    required = []
+    for p_name, p in module.named_parameters(recurse=False):
+        if id(p) not in done:  # a tied weight is loaded under its first name (the embedding)
             done.add(id(p))
-            if isinstance(module, MergedLinear):
-                parent = mod_name.rsplit(".", 1)[0]
-                names.update(f"{parent}.{s}.{p_name}" for s in module.shard_names)
-            else:
-                names.add(f"{mod_name}.{p_name}" if mod_name else p_name)
-    return names
+            required.append(p_name)
+    return tuple(required), ()
+
+
+def checkpoint_index(model: nn.Module) -> dict[str, tuple[nn.Module, str, str | None, bool]]:
+    """Every checkpoint name the model accepts -> (module, local name, shard, required).
+    A packed module's tensors are named after its shards (q_proj, ...), siblings of the module."""
+    index, done = {}, set()
+    for mod_name, module in model.named_modules():
+        required, optional = _accepted(module, done)
+        shards = getattr(module, "shard_names", None)
+        if shards:
+            parent = mod_name.rpartition(".")[0]
+            owners = [(f"{parent}.{s}" if parent else s, s) for s in shards]
+        else:
+            owners = [(mod_name, None)]
+        for owner, shard in owners:
+            for names, need in ((required, True), (optional, False)):
+                for local in names:
+                    index[f"{owner}.{local}" if owner else local] = (module, local, shard, need)
+    return index
+
+
+def _copy(module: nn.Module, local: str, shard: str | None, tensor: torch.Tensor,
+          name: str) -> None:
+    param = getattr(module, local)
+    if shard is not None:
+        start, rows = module.shard_rows(shard)
+        param = param.narrow(0, start, rows)
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise EngineError(f"Tensor '{name}' has shape {tuple(tensor.shape)} in the checkpoint "
+                          f"but the model expects {tuple(param.shape)} "
+                          f"(does config.json match the weights?).")
+    param.copy_(tensor)  # converts to the model's dtype and device
 
 
 def load_weights(model: nn.Module, files: list[str]) -> None:
-    packed = getattr(model, "packed_modules", {})
-    params = dict(model.named_parameters())
-    expected = _expected(model)
+    index = checkpoint_index(model)
     seen = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, tensor in iter_tensors(files):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # a tied head is the embedding; some checkpoints store it anyway
-        if name not in expected:
+        if name not in index:
             raise EngineError(f"Unexpected tensor '{name}' in the checkpoint: the model has no "
                               f"such weight (wrong architecture in config.json?).")
-        target, shard = _target(name, packed)
-        param = params[target]
-        if shard is not None:
-            module = model.get_submodule(target.rsplit(".", 1)[0])
-            start, rows = module.shard_rows(shard)
-            param = param.narrow(0, start, rows)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise EngineError(f"Tensor '{name}' has shape {tuple(tensor.shape)} in the checkpoint "
-                              f"but the model expects {tuple(param.shape)} "
-                              f"(does config.json match the weights?).")
-        param.copy_(tensor)  # converts to the model's dtype and device
+        module, local, shard, _ = index[name]
+        if hasattr(module, "load_tensor"):
+            module.load_tensor(local, tensor, shard)
+        else:
+            _copy(module, local, shard, tensor, name)
         seen.add(name)
-    missing = sorted(expected - seen)
+    missing = sorted(n for n, (*_, required) in index.items() if required and n not in seen)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise EngineError(f"The checkpoint lacks {len(missing)} tensor(s) the model needs: "
@@ -103,18 +120,25 @@ def load_weights(model: nn.Module, files: list[str]) -> None:
 
 
 @torch.no_grad()
-def load_model(model_cls, config, model_dir: str, dtype: torch.dtype, device="cpu") -> nn.Module:
+def load_model(model_cls, config, model_dir: str, dtype: torch.dtype, device="cpu",
+               quant_method=None) -> nn.Module:
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
-        model = model_cls(config)
-    # dtype first (free on meta), then one allocation on the device, no init pass
-    model = model.to(dtype=dtype).to_empty(device=device)
+        # dtype first (free on meta), then one allocation on the device, no init pass
+        model = model_cls(config).to(dtype=dtype)
+        if quant_method is not None:
+            # after the cast, which would widen the swapped-in quantized tensors too
+            model = quant_method.convert(model)
+    model = model.to_empty(device=device)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # to_empty made separate tensors out of the shared one
     for module in model.modules():
         if module is not model and hasattr(module, "init_buffers"):
             module.init_buffers()
     load_weights(model, files)
+    if quant_method is not None:
+        for module in model.modules():
+            quant_method.process_weights(module)
     return model.eval()
 
 

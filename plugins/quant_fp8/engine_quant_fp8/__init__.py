@@ -7,7 +7,9 @@ from engine import hookimpl
 def register_quantization_methods(register):
     from engine_quant_fp8.method import FP8Method
 
-    register("fp8", FP8Method(), check=lambda device: "not implemented yet")
+    # no check: the dequantize path runs wherever torch does; CUDA >= 8.9 adds the
+    # torch._scaled_mm fast path, chosen per layer at load (and logged)
+    register("fp8", FP8Method())
 
 
 @hookimpl
@@ -16,5 +18,7 @@ def register_kv_cache_dtypes(register):
 
     from engine.interfaces import KVDtype
 
+    # per-layer K/V scales (1.0, or the checkpoint's k_scale / v_scale); the pool divides on
+    # write and multiplies on read
     register("fp8_e4m3", KVDtype(torch.float8_e4m3fn, needs_scale=True, description="float8 e4m3"))
     register("fp8_e5m2", KVDtype(torch.float8_e5m2, needs_scale=True, description="float8 e5m2"))

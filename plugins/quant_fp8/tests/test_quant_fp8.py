@@ -1,15 +1,29 @@
+"""Registration, the quantize/dequantize helpers and FP8Linear on its own."""
+
 import json
 
+import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
-from engine.plugins import get_registries
+from engine.device import DeviceInfo
+from engine.plugins import get_registries, load_plugins
+from engine.registry import resolve_attention_backend, resolve_quantization
 from engine_cli.main import cli
+from engine_quant_fp8.linear import FP8Linear
+from engine_quant_fp8.quant import E4M3, E5M2, dequantize, quantize_rows, widen_e4m3
+
+CPU = DeviceInfo("cpu", "CPU (test)")
 
 
 def test_plugin_is_installed():
     data = json.loads(CliRunner().invoke(cli, ["plugins", "--json"]).output)
     assert "engine-quant-fp8" in {p["dist"] for p in data["plugins"]}
+    fp8 = next(q for q in data["quantization"] if q["name"] == "fp8")
+    assert fp8["available"]
+    torch_native = next(a for a in data["attention"] if a["name"] == "torch_native")
+    assert {"fp8_e4m3", "fp8_e5m2"} <= set(torch_native["kv_dtypes"])
 
 
 def test_registration_shape():
@@ -20,7 +34,128 @@ def test_registration_shape():
     assert regs.kv_dtypes.get("fp8_e5m2").obj.storage == torch.float8_e5m2
 
 
+def test_usable_on_cpu_and_on_gpus_without_fp8_tensor_cores():
+    regs = get_registries()
+    ampere = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
+    for device in (CPU, ampere):  # the dequantize path runs there
+        assert resolve_quantization(regs, "fp8", device).name == "fp8"
+
+
+def test_torch_native_reads_fp8_kv_and_auto_picks_it_on_cpu():
+    regs = get_registries()
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        assert resolve_attention_backend(regs, "torch_native", CPU, kv).name == "torch_native"
+        picked = resolve_attention_backend(regs, "auto", CPU, kv, pm=load_plugins())
+        assert picked.name == "torch_native"
+
+
 def test_detects_fp8_checkpoints():
     method = get_registries().quantization.get("fp8").obj
     assert method.detect({"quantization_config": {"quant_method": "fp8"}})
+    assert method.detect({"quantization_config": {"quant_method": "FP8"}})
+    assert not method.detect({"quantization_config": {"quant_method": "awq"}})
     assert not method.detect({})
+
+
+def weights_with_outliers(rows=64, cols=96):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(rows, cols, generator=gen) * torch.logspace(-4, 2, rows)[:, None]
+    w[3, 5] = 300.0  # an outlier: its row's other weights fall to tiny fp8 values
+    w[7] = 0.0  # an all-zero row must give zeros, not NaN
+    return w
+
+
+@pytest.mark.parametrize("dtype,mantissa", [(E4M3, 3), (E5M2, 2)])
+def test_round_trip_error_is_half_an_ulp(dtype, mantissa):
+    """Per-channel bound: |w - dq(q(w))| <= 2**-(m+1) |w| in the normal range (m mantissa bits:
+    2**-4 for e4m3, 2**-3 for e5m2), and half a subnormal step times the row's scale below it;
+    so never above 2**-(m+1) of the channel's max |w|."""
+    w = weights_with_outliers()
+    q, scale = quantize_rows(w, dtype)
+    assert q.dtype == dtype and scale.shape == (w.shape[0], 1)
+    err = (dequantize(q, scale) - w).abs()
+    fi = torch.finfo(dtype)
+    half_ulp = 2.0 ** -(mantissa + 1)
+    bound = torch.maximum(w.abs() * half_ulp, fi.smallest_normal * half_ulp * scale)
+    assert (err <= bound * (1 + 1e-5) + 1e-30).all()
+    row_max = w.abs().amax(1, keepdim=True)
+    assert (err <= half_ulp * row_max + 1e-30).all()
+    assert torch.isfinite(dequantize(q, scale)).all() and (dequantize(q, scale)[7] == 0).all()
+
+
+def test_widen_is_exact_for_every_finite_e4m3_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN in e4m3fn
+    q = codes.view(E4M3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(widen_e4m3(q, dtype).float() * 256, q.float())
+
+
+def make_layer(w: torch.Tensor, shards=None, bias=None) -> FP8Linear:
+    layer = FP8Linear(w.shape[1], w.shape[0], None if bias is None else bias.dtype, shards)
+    if shards:
+        start = 0
+        for name, rows in shards.items():
+            layer.load_tensor("weight", w[start: start + rows], name)
+            start += rows
+    else:
+        layer.load_tensor("weight", w, None)
+    if bias is not None:
+        layer.load_tensor("bias", bias, None)
+    layer.finish_loading()
+    return layer
+
+
+def test_fp8_linear_equals_a_linear_over_the_dequantized_weight():
+    w = weights_with_outliers()
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(w.shape[0], generator=gen)
+    x = torch.randn(5, w.shape[1], generator=gen)
+    layer = make_layer(w, bias=bias)
+    q, scale = quantize_rows(w)
+    assert layer.weight.dtype == E4M3 and torch.equal(layer.weight.view(torch.uint8),
+                                                      q.view(torch.uint8))
+    ref = F.linear(x, dequantize(q, scale), bias)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    # bfloat16 activations: the same up to four bf16 roundings (matmul output, scale cast,
+    # scale product, bias add) of 2**-9 each: 2**-7 of the row's largest output
+    xb = x.bfloat16()
+    ref_b = F.linear(xb.float(), dequantize(q, scale), bias)
+    assert ((layer(xb).float() - ref_b).abs() <= 2 ** -7 * ref_b.abs().amax(1, keepdim=True)).all()
+
+
+def test_packed_layer_loads_each_projection_with_its_own_scale():
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+    w[16:32] *= 1e4  # with one scale for all rows, q's weights would sink into subnormals
+    layer = make_layer(w, shards={"q_proj": 16, "k_proj": 16, "v_proj": 16})
+    parts = layer.forward_split(torch.eye(32))  # each projection's dequantized weight, transposed
+    for part, rows in zip(parts, w.split(16)):
+        torch.testing.assert_close(part.T, rows, rtol=2 ** -4, atol=1e-4 * rows.abs().max())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scaled_mm_fast_path_matches_the_dequantize_path(device):
+    """On CUDA >= 8.9 the real FP8 GEMM. torch also implements _scaled_mm on CPU (slower there
+    than widening, so the plugin does not use it), which checks this call's shapes, scale
+    layout and dtypes without a GPU."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        if torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("torch._scaled_mm FP8 needs compute capability >= 8.9")
+    from engine_quant_fp8.method import FP8Method
+
+    gen = torch.Generator().manual_seed(3)
+    layer = FP8Linear(128, 256, torch.bfloat16).to(device)
+    layer.load_tensor("weight", torch.randn(256, 128, generator=gen) * 0.05, None)
+    layer.load_tensor("bias", torch.randn(256, generator=gen), None)
+    FP8Method().process_weights(layer)
+    assert layer.fast == (device == "cuda")
+    layer.fast = True
+    x = torch.randn(37, 128, generator=gen).to(device, torch.bfloat16)
+    fast = layer(x).float()
+    layer.fast = False
+    slow = layer(x).float()
+    # the fast path also quantizes activations (e4m3, per token): ~1-2% of the output norm
+    rel = (fast - slow).norm() / slow.norm()
+    assert rel < 0.05, rel

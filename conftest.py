@@ -1,4 +1,5 @@
-"""Shared fixtures. Model fixtures build tiny random-init HF checkpoints, once per session."""
+"""Shared fixtures for tests/ and plugins/*/tests/ (a root conftest, so both see them). Model
+fixtures build tiny random-init HF checkpoints, once per session."""
 
 from __future__ import annotations
 

@@ -1,0 +1,123 @@
+"""Offline throughput: Engine.generate against HF transformers' generate, same model, same run.
+
+Workload (fixed seed): prompt lengths uniform in [32, 512], output lengths uniform in [16, 256],
+EOS ignored. HF runs padded batches of 32 (left padding), each to its longest request; both sides
+count only the requested tokens. Also prints the decode step time at batch 64 against the
+float32 matmul roofline measured here on a model-shaped matmul.
+
+    python benchmarks/offline_throughput.py [--requests 256] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import tempfile
+import time
+
+import torch
+
+from engine import Engine
+from engine.testing import make_tiny_model
+
+MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+             num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+             max_position_embeddings=1024)
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randint(32, 512))],
+             rng.randint(16, 256)) for _ in range(n)]
+
+
+def run_engine(model_dir, work):
+    engine = Engine(model_dir, max_total_tokens=200_000)
+    engine.generate(input_ids=[work[0][0]], sampling_params={"max_new_tokens": 2})  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=[p for p, _ in work], sampling_params=[
+        {"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for _, n in work])
+    elapsed = time.perf_counter() - start
+    assert [len(o["output_ids"]) for o in outs] == [n for _, n in work]
+    return sum(n for _, n in work) / elapsed, elapsed, engine
+
+
+def run_hf(model_dir, work, batch_size=32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run every request to its length
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i: i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), 2, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, (p, _) in enumerate(batch):  # left padding, as a user does for generation
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=2,
+                           max_new_tokens=max(n for _, n in batch))
+    elapsed = time.perf_counter() - start
+    return sum(n for _, n in work) / elapsed, elapsed
+
+
+def matmul_gflops(m=64, k=MODEL["hidden_size"], n=MODEL["intermediate_size"], reps=200):
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(20):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9
+
+
+def decode_step_time(engine, batch=64, prompt_len=128, steps=20):
+    reqs = [r for i in range(batch) for r in engine.add_request(
+        [3 + (i * 31 + j) % 30000 for j in range(prompt_len)],
+        {"temperature": 0, "ignore_eos": True, "max_new_tokens": steps + 4})]
+    while any(r.prefilling or r.kv_len == 0 for r in reqs):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.scheduler.has_work:
+        engine.step()
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    work = workload(args.requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, "LlamaForCausalLM", **MODEL)
+        ours, ours_s, engine = run_engine(model_dir, work)
+        params = sum(p.numel() for p in engine.runner.model.parameters())
+        step = decode_step_time(engine)
+        hf = run_hf(model_dir, work) if not args.skip_hf else None
+    roof = matmul_gflops()
+    flops = 2 * params * 64  # weights dominate a decode step; attention over 128-150 tokens is small
+    print(f"model: random Llama, {params / 1e6:.0f}M parameters, float32, "
+          f"{torch.get_num_threads()} threads; {args.requests} requests, "
+          f"{sum(n for _, n in work)} output tokens")
+    print(f"{'':<22}{'output tok/s':>14}{'seconds':>10}")
+    print(f"{'engine':<22}{ours:>14.1f}{ours_s:>10.1f}")
+    if hf:
+        print(f"{'HF generate (bs 32)':<22}{hf[0]:>14.1f}{hf[1]:>10.1f}")
+        print(f"ratio engine / HF: {ours / hf[0]:.2f}x")
+    print(f"decode step at batch 64: {step * 1e3:.1f} ms = {flops / step / 1e9:.1f} GFLOP/s; "
+          f"float32 matmul roofline [64x{MODEL['hidden_size']}]x[{MODEL['hidden_size']}x"
+          f"{MODEL['intermediate_size']}]: {roof:.1f} GFLOP/s; fraction of roofline: "
+          f"{flops / step / 1e9 / roof:.2f}")
+
+
+if __name__ == "__main__":
+    main()
