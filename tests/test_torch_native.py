@@ -71,7 +71,10 @@ def test_backend_matches_reference_in_every_mode(page_size):
     lens = [n + 1 for n in lens]
     # mixed: two decodes next to a chunk after a prefix and a new prompt-sized chunk
     batch = run_step(pool, backend, rows, lens, [1, 6, 1, 9], gen)
-    assert batch.mode == ForwardMode.MIXED and len(backend.groups) == 2
+    # one padded group for the decodes; the two prompt chunks differ enough in padded cost
+    # (6x8 vs 9x15 query-key pairs) to be split, so every group pays at most ~2x its own cost
+    assert batch.mode == ForwardMode.MIXED
+    assert sorted(g.q_len for g in backend.groups) == [1, 6, 9]
     free_requests(pool, rows, [n + e for n, e in zip(lens, [1, 6, 1, 9])])
     assert pool.free_slots == pool.size
 

@@ -43,7 +43,7 @@ class TorchNativeBackend(AttentionBackend):
         ext = batch.extend_lens_list
         single = [i for i, e in enumerate(ext) if e == 1]
         multi = [i for i, e in enumerate(ext) if e > 1]
-        self.groups = [self._group(batch, idx) for idx in (single, multi) if idx]
+        self.groups = [self._group(batch, idx) for idx in (single, *_buckets(batch, multi)) if idx]
 
     def _group(self, batch: ForwardBatch, idx: list[int]) -> _Group:
         dev = batch.input_ids.device
@@ -104,3 +104,20 @@ class TorchNativeBackend(AttentionBackend):
                                            scale=spec.scaling, enable_gqa=H != KVH)
         return o.transpose(1, 2)
 
+
+def _buckets(batch: ForwardBatch, idx: list[int]) -> list[list[int]]:
+    """Split prompt-bringing requests into groups whose padded [E, L] attention costs at most
+    about twice their own: a 500-token prompt next to 50-token suffixes (after a cached prefix)
+    would otherwise pad every suffix to 500 queries."""
+    cost = {i: batch.extend_lens_list[i] * (batch.prefix_lens_list[i] + batch.extend_lens_list[i])
+            for i in idx}
+    out, max_e, max_l = [], 0, 0
+    for i in sorted(idx, key=lambda i: -cost[i]):
+        e, length = batch.extend_lens_list[i], batch.prefix_lens_list[i] + batch.extend_lens_list[i]
+        if out and 2 * cost[i] >= max(max_e, e) * max(max_l, length):
+            out[-1].append(i)
+            max_e, max_l = max(max_e, e), max(max_l, length)
+        else:
+            out.append([i])
+            max_e, max_l = e, length
+    return out
