@@ -112,3 +112,13 @@ def test_bad_requests_are_refused_clearly(engine):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.generate(input_ids=[10**6])
     assert not engine.scheduler.has_work
+
+
+def test_engine_seed_makes_unseeded_sampling_repeatable(tiny_model_factory):
+    def sample(seed):
+        engine = Engine(tiny_model_factory("llama"), max_total_tokens=500, seed=seed)
+        return engine.generate("abc", {"temperature": 1.0, "max_new_tokens": 12,
+                                       "ignore_eos": True})["output_ids"]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)

@@ -45,6 +45,8 @@ class Engine:
 
     def _build(self, regs, policy_entry, kv_entry, attn_entry, quant_entry) -> None:
         import torch
+
+        torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
         from transformers import AutoTokenizer
 
         from engine.memory.radix_cache import RadixCache
