@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from engine_cli.demo import DEMO_MODEL
 from engine_cli.options import EngineCommand, engine_options, split_options
 
 SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
@@ -18,7 +19,8 @@ SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
 @click.option("--port", default=30000, type=int)
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every route but "
                                 "/health.")
-@click.option("--served-model-name", help="The model name clients use.  [default: --model]")
+@click.option("--served-model-name", help="The model name clients use.  [default: --model; "
+                                          "engine-demo for the bundled model]")
 @click.option("--log-level", default="info",
               type=click.Choice(["debug", "info", "warning", "error", "critical"]))
 @click.option("--max-request-bytes", default=32 << 20, type=click.IntRange(min=1),
@@ -40,5 +42,6 @@ def serve_command(**kwargs):
         engine = Engine(**config)
     except EngineError as e:
         raise click.UsageError(str(e)) from None
-    server["served_model_name"] = server["served_model_name"] or config["model"]
+    default_name = "engine-demo" if config["model"] == DEMO_MODEL else config["model"]
+    server["served_model_name"] = server["served_model_name"] or default_name
     serve(engine, ServerSettings(model_path=config["model"], **server), log_level)
