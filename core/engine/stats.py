@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("engine")
+MAX_SAMPLES = 4096
 
 
 @dataclass
@@ -43,8 +45,9 @@ class Counters:
     retracted_reqs: int = 0
     finished_reqs: int = 0
     aborted_reqs: int = 0
-    ttft: list = field(default_factory=list)  # recent samples, drained by exporters
-    e2e: list = field(default_factory=list)
+    # recent latency samples, drained by exporters each step; bounded when nobody drains them
+    ttft: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    e2e: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
     @property
     def cache_hit_rate(self) -> float:
