@@ -116,8 +116,6 @@ ENGINE_OPTIONS = [
     click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
     click.option("--disable-radix-cache", is_flag=True, help="No prefix sharing."),
     click.option("--decode-log-interval", default=_D.decode_log_interval, type=int),
-    click.option("--max-queued-requests", type=int,
-                 help="Answer 503 when this many requests already wait.  [default: no limit]"),
     click.option("--seed", default=_D.seed, type=int),
 ]
 

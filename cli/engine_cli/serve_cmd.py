@@ -15,6 +15,8 @@ SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
 
 @click.command("serve", cls=EngineCommand, context_settings={"show_default": True})
 @engine_options
+@click.option("--max-queued-requests", type=int,
+              help="Answer 503 when this many requests already wait.  [default: no limit]")
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=30000, type=int)
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every route but "
