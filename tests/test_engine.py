@@ -122,3 +122,10 @@ def test_engine_seed_makes_unseeded_sampling_repeatable(tiny_model_factory):
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
+
+
+def test_zero_new_tokens_finishes_without_output(engine):
+    out = engine.generate("nothing to do", {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert not engine.scheduler.has_work

@@ -115,7 +115,7 @@ class Engine:
         """Queue one prompt (text or token ids); returns its ``n`` Req objects."""
         from engine.sampling import IncrementalDetokenizer
         from engine.sampling.sampler import make_generator
-        from engine.scheduler.request import Req
+        from engine.scheduler.request import Req, Status
 
         params = self.make_params(sampling_params)
         ids = self.tokenize(prompt)
@@ -130,7 +130,10 @@ class Engine:
             if stream or p.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
             leader = leader or req
-            self.scheduler.add(req)
+            if p.max_new_tokens == 0:  # nothing to generate: done without touching the model
+                req.status, req.finish_reason = Status.FINISHED, "length"
+            else:
+                self.scheduler.add(req)
             reqs.append(req)
         return reqs
 
