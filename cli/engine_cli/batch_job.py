@@ -91,8 +91,7 @@ def run_job(engine, jobs: list[Job], output: str, echo=click.echo) -> dict:
             length=len(todo), label="requests", file=sys.stderr,
             item_show_func=lambda t: t) as bar:
         while pending:
-            for req in engine.step():
-                tokens += 1
+            tokens += len(engine.step())  # each touched request got one token
             peak_usage = max(peak_usage, sched.num_used_tokens / sched.kv.pool.size)
             for rid in [rid for rid, reqs in pending.items() if all(r.finished for r in reqs)]:
                 outs = [engine.output(r) for r in pending.pop(rid)]
