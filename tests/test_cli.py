@@ -30,6 +30,7 @@ def test_plugins_table_shows_availability_and_reasons():
     assert "engine-policy-lpm" in out and "engine-example-plugin" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert lines["torch_native"].rstrip().endswith("yes")
+    assert lines["cpu"].rstrip().endswith("yes")  # its kernel builds here
     assert "no — needs an NVIDIA GPU" in lines["flashinfer"]
     assert lines["fp8"].rstrip().endswith("yes")  # the dequantize path runs on any device
 

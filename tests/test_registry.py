@@ -49,7 +49,7 @@ def test_unavailable_backend_says_why(regs):
     msg = str(err.value)
     assert msg.startswith("'flashinfer' (engine-attention-flashinfer 0.1.0) is installed but "
                           "unusable here: needs an NVIDIA GPU with compute capability >= 8.0")
-    assert "Usable: torch_native." in msg
+    assert "Usable: cpu, torch_native." in msg
 
 
 def test_fa3_on_hopper_without_kernels_names_the_extra(regs):
@@ -79,8 +79,7 @@ def test_torch_native_takes_every_registered_kv_dtype(regs, core_only):
     assert backend_kv_dtypes(regs[0], regs[0].attention.get("torch_native")) == \
         regs[0].kv_dtypes.names()
     for kv in regs[0].kv_dtypes.names():
-        assert resolve_attention_backend(regs[0], "auto", CPU, kv, pm=regs[1]).name == \
-            "torch_native"
+        assert resolve_attention_backend(regs[0], "torch_native", CPU, kv).name == "torch_native"
     with pytest.raises(UnknownName, match="provided by engine-quant-fp8, which is not installed"):
         resolve_attention_backend(core_only, "torch_native", CPU, kv_dtype="fp8_e4m3")
 
@@ -90,9 +89,18 @@ def test_unknown_kv_dtype_is_reported(regs):
         resolve_attention_backend(regs[0], "torch_native", CPU, kv_dtype="fp8")
 
 
-def test_auto_picks_torch_native_on_cpu(regs):
-    entry = resolve_attention_backend(regs[0], "auto", CPU, pm=regs[1])
+def test_auto_on_cpu_picks_the_cpu_plugin_over_the_core_default(regs):
+    # engine-attention-cpu answers select_attention_backend before the core's trylast answer
+    assert resolve_attention_backend(regs[0], "auto", CPU, pm=regs[1]).name == "cpu"
+    # it does not read fp8 KV, so the core's answer stands there
+    entry = resolve_attention_backend(regs[0], "auto", CPU, kv_dtype="fp8_e4m3", pm=regs[1])
     assert entry.name == "torch_native"
+
+
+def test_auto_on_cpu_with_the_core_alone_picks_torch_native(core_only):
+    pm = new_plugin_manager()
+    register_builtins(pm, {})
+    assert resolve_attention_backend(core_only, "auto", CPU, pm=pm).name == "torch_native"
 
 
 def test_auto_on_hopper_without_kernels_is_not_a_silent_fallback_to_fa3(regs):

@@ -79,6 +79,30 @@ def test_backend_matches_reference_in_every_mode(page_size):
     assert pool.free_slots == pool.size
 
 
+
+def test_long_decode_batches_are_cut_into_cache_sized_groups(monkeypatch):
+    import engine.attention.torch_native as tn
+
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(len(SPECS), KVH, D, 512, torch.float32, max_reqs=8, max_context_len=128)
+    backend = TorchNativeBackend(BackendContext(pool, SPECS, "cpu", torch.float32))
+    assert backend.kv_bytes == 2 * KVH * D * 4
+    # room for 100 padded key positions per group
+    monkeypatch.setattr(tn, "DECODE_GROUP_BYTES", 100 * backend.kv_bytes)
+    rows = [pool.alloc_req() for _ in range(6)]
+    lens = [40, 3, 25, 9, 60, 18]
+    run_step(pool, backend, rows, [0] * 6, lens, gen)
+    run_step(pool, backend, rows, lens, [1] * 6, gen)  # checked against the reference
+    # sorted by length (4, 10, 19, 26, 41, 61), each group within 100 padded positions
+    groups = [[lens[i] + 1 for i in g] for g in
+              tn.bucket_decodes(ForwardBatch.build([[0]] * 6, lens, rows, torch.zeros(6),
+                                                   pool.req_to_token), list(range(6)),
+                                backend.kv_bytes)]
+    assert groups == [[4, 10, 19], [26, 41], [61]]
+    assert [g.num_reqs for g in backend.groups] == [3, 2, 1]
+    free_requests(pool, rows, [n + 1 for n in lens])
+    assert pool.free_slots == pool.size
+
 @pytest.fixture(scope="module")
 def runner(tiny_model_factory, registries, cpu_device):
     r = ModelRunner(tiny_model_factory("mistral_window"), registries=registries,

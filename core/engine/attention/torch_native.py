@@ -38,14 +38,18 @@ class TorchNativeBackend(AttentionBackend):
         self.layers = ctx.layers
         self.windows = sorted({s.sliding_window for s in ctx.layers}, key=lambda w: w or 0)
         self.groups: list[_Group] = []  # padded key positions read the pool's zeroed slot 0
+        spec = ctx.layers[0] if ctx.layers else None
+        # bytes of one key position's gathered K and V in one layer
+        self.kv_bytes = (2 * spec.num_kv_heads * spec.head_dim * torch.empty(
+            (), dtype=ctx.dtype).element_size()) if spec else 0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        ext = batch.extend_lens_list
-        single = [i for i, e in enumerate(ext) if e == 1]
-        multi = [i for i, e in enumerate(ext) if e > 1]
-        self.groups = [self._group(batch, idx) for idx in (single, *_buckets(batch, multi)) if idx]
+        single, multi = split_rows(batch)
+        self.groups = [self.make_group(batch, idx) for idx in (
+            *bucket_decodes(batch, single, self.kv_bytes), *bucket_prompts(batch, multi)) if idx]
 
-    def _group(self, batch: ForwardBatch, idx: list[int]) -> _Group:
+    def make_group(self, batch: ForwardBatch, idx: list[int]) -> _Group:
+        """Padded metadata for the rows ``idx``, attended together by :meth:`attend_group`."""
         dev = batch.input_ids.device
         ext = [batch.extend_lens_list[i] for i in idx]
         seq = [batch.prefix_lens_list[i] + batch.extend_lens_list[i] for i in idx]
@@ -79,14 +83,14 @@ class TorchNativeBackend(AttentionBackend):
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         T, H, D = q.shape
         if len(self.groups) == 1 and self.groups[0].tokens is None:
-            return self._attend(self.groups[0], q, layer_id).view(T, H, D)
+            return self.attend_group(self.groups[0], q, layer_id).view(T, H, D)
         out = q.new_empty(T, H, D)
         for g in self.groups:
             assert g.tokens is not None  # only a group holding the whole batch skips the gather
-            out.index_copy_(0, g.dest, self._attend(g, q, layer_id).reshape(-1, H, D)[g.rows])
+            out.index_copy_(0, g.dest, self.attend_group(g, q, layer_id).reshape(-1, H, D)[g.rows])
         return out
 
-    def _attend(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def attend_group(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Attention for one group: [B, E, H, D]."""
         spec = self.layers[layer_id]
         B, E = g.num_reqs, g.q_len
@@ -105,7 +109,33 @@ class TorchNativeBackend(AttentionBackend):
         return o.transpose(1, 2)
 
 
-def _buckets(batch: ForwardBatch, idx: list[int]) -> list[list[int]]:
+def split_rows(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+    """The rows bringing one token (decodes, 1-token prompts) and those bringing several."""
+    ext = batch.extend_lens_list
+    return [i for i, e in enumerate(ext) if e == 1], [i for i, e in enumerate(ext) if e > 1]
+
+
+# the gathered K and V of one group of decode rows: small enough to stay in the CPU's cache
+# between the gather and SDPA, and under malloc's mmap threshold (no page faults per layer)
+DECODE_GROUP_BYTES = 8 << 20
+
+
+def bucket_decodes(batch: ForwardBatch, idx: list[int], kv_bytes: int) -> list[list[int]]:
+    """Decode rows in one group when their padded K/V is small; otherwise sorted by length and
+    cut into groups of at most DECODE_GROUP_BYTES each (a lone long row is a group of its own).
+    Sorting also keeps the padding low: each group pads only to its own longest row."""
+    seq = batch.seq_lens_list
+    if not idx or len(idx) * max(seq[i] for i in idx) * kv_bytes <= DECODE_GROUP_BYTES:
+        return [idx]
+    groups: list[list[int]] = [[]]
+    for i in sorted(idx, key=lambda i: seq[i]):
+        if groups[-1] and (len(groups[-1]) + 1) * seq[i] * kv_bytes > DECODE_GROUP_BYTES:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def bucket_prompts(batch: ForwardBatch, idx: list[int]) -> list[list[int]]:
     """Split prompt-bringing requests into groups whose padded [E, L] attention costs at most
     about twice their own: a 500-token prompt next to 50-token suffixes (after a cached prefix)
     would otherwise pad every suffix to 500 queries."""
