@@ -38,10 +38,9 @@ class TorchNativeBackend(AttentionBackend):
         self.layers = ctx.layers
         self.windows = sorted({s.sliding_window for s in ctx.layers}, key=lambda w: w or 0)
         self.groups: list[_Group] = []  # padded key positions read the pool's zeroed slot 0
-        spec = ctx.layers[0] if ctx.layers else None
-        # bytes of one key position's gathered K and V in one layer
-        self.kv_bytes = (2 * spec.num_kv_heads * spec.head_dim * torch.empty(
-            (), dtype=ctx.dtype).element_size()) if spec else 0
+        # bytes of one key position's gathered K and V in one layer (K/V are read in ctx.dtype)
+        self.kv_bytes = max((2 * s.num_kv_heads * s.head_dim for s in ctx.layers),
+                            default=0) * ctx.dtype.itemsize
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         single, multi = split_rows(batch)
@@ -85,10 +84,16 @@ class TorchNativeBackend(AttentionBackend):
         if len(self.groups) == 1 and self.groups[0].tokens is None:
             return self.attend_group(self.groups[0], q, layer_id).view(T, H, D)
         out = q.new_empty(T, H, D)
+        self.attend_groups(q, layer_id, out)
+        return out
+
+    def attend_groups(self, q: torch.Tensor, layer_id: int, out: torch.Tensor) -> None:
+        """Every group's valid rows into their tokens' places in ``out`` [T, H, D]."""
+        H, D = q.shape[1:]
         for g in self.groups:
             assert g.tokens is not None  # only a group holding the whole batch skips the gather
-            out.index_copy_(0, g.dest, self.attend_group(g, q, layer_id).reshape(-1, H, D)[g.rows])
-        return out
+            o = self.attend_group(g, q, layer_id).reshape(-1, H, D)[g.rows]
+            out.index_copy_(0, g.dest, o.to(out.dtype))
 
     def attend_group(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Attention for one group: [B, E, H, D]."""

@@ -23,27 +23,22 @@ class CPUBackend(TorchNativeBackend):
         self.decode = None
         if single:
             sel = torch.tensor(single, dtype=torch.int64)
-            starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-            # (index of the row's token in the batch, its req_to_token row, its length)
-            self.decode = (starts[sel].contiguous(), batch.req_pool_indices[sel].contiguous(),
+            # (the row's one token in the batch, its req_to_token row, its length)
+            self.decode = (batch.logits_indices[sel].contiguous(),
+                           batch.req_pool_indices[sel].contiguous(),
                            batch.seq_lens[sel].contiguous())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        pool = self.kv_pool
+        if self.decode is None:  # prompt rows only: torch_native's path as it is
+            return super().forward(q, k, v, layer_id, batch)
+        pool, spec = self.kv_pool, self.layers[layer_id]
         pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        T, H, D = q.shape
-        if self.decode is None and len(self.groups) == 1 and self.groups[0].tokens is None:
-            return self.attend_group(self.groups[0], q, layer_id).view(T, H, D)
-        out = torch.empty(T, H, D, dtype=torch.float32)
-        if self.decode is not None:
-            spec = self.layers[layer_id]
-            tokens, rows, seq_lens = self.decode
-            decode_attention(q.float().contiguous(), out, tokens, pool.k_buffer[layer_id],
-                             pool.v_buffer[layer_id], pool.req_to_token, rows, seq_lens,
-                             spec.sliding_window, spec.scaling, pool.k_scale[layer_id],
-                             pool.v_scale[layer_id])
-        for g in self.groups:
-            o = self.attend_group(g, q, layer_id).reshape(-1, H, D)[g.rows]
-            out.index_copy_(0, g.dest, o.float())
+        out = torch.empty(q.shape, dtype=torch.float32)
+        tokens, rows, seq_lens = self.decode
+        decode_attention(q.float().contiguous(), out, tokens, pool.k_buffer[layer_id],
+                         pool.v_buffer[layer_id], pool.req_to_token, rows, seq_lens,
+                         spec.sliding_window, spec.scaling, pool.k_scale[layer_id],
+                         pool.v_scale[layer_id])
+        self.attend_groups(q, layer_id, out)
         return out.to(q.dtype)
