@@ -46,6 +46,40 @@ def tiny_model_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_cache_dir(tmp_path_factory):
+    """The engine's cache (converted GGUFs, built kernels) in a session directory, so that tests
+    neither read nor fill the user's ~/.cache/engine; servers started by tests inherit it."""
+    import os
+
+    path = str(tmp_path_factory.mktemp("engine-cache"))
+    before = os.environ.get("ENGINE_CACHE_DIR")
+    os.environ["ENGINE_CACHE_DIR"] = path
+    yield path
+    if before is None:
+        os.environ.pop("ENGINE_CACHE_DIR", None)
+    else:
+        os.environ["ENGINE_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_factory(tiny_model_factory, tmp_path_factory):
+    """``make(case="llama", qtype="F32", **config_overrides) -> path``: the tiny checkpoint of
+    ``tiny_model_factory`` written as a GGUF file the way llama.cpp's converter writes one."""
+    from engine.testing_gguf import write_gguf
+
+    built: dict = {}
+
+    def make(case: str = "llama", qtype: str = "F32", **overrides) -> str:
+        key = (case, qtype, repr(sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"gguf-{case}-{qtype}") / f"tiny-{case}.{qtype}.gguf"
+            built[key] = write_gguf(tiny_model_factory(case, **overrides), str(out), qtype)
+        return built[key]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(request, tiny_model_factory):
     """A tiny checkpoint directory; parametrize indirectly with a TINY_CASES name or an
@@ -132,13 +166,16 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def start_server(tiny_model_factory, tmp_path_factory):
-    """``start(*flags, api_key=None) -> ServerProcess`` (ready), serving the tiny llama with a
-    small KV pool; every server still running at the end of the session is stopped."""
+    """``start(*flags, api_key=None, default_model=False) -> ServerProcess`` (ready), serving the
+    tiny llama (or, with ``default_model``, no --model: SmolLM2) with a small KV pool; every
+    server still running at the end of the session is stopped."""
     started = []
 
-    def start(*flags: str, api_key: str | None = None) -> ServerProcess:
+    def start(*flags: str, api_key: str | None = None,
+              default_model: bool = False) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        args = ["--model", tiny_model_factory("llama"), "--max-total-tokens", "4096", *flags]
+        model = [] if default_model else ["--model", tiny_model_factory("llama")]
+        args = [*model, "--max-total-tokens", "4096", *flags]
         server = ServerProcess(args, log, api_key)
         started.append(server)
         return server.wait_ready()

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.forward_batch import ForwardBatch
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import TINY_CASES, free_requests, greedy_generate
+from engine.testing import TINY_CASES, greedy_generate
+from engine.testing import prefill_logits as prefill
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -51,16 +51,6 @@ def make_runner(path, registries, device, **kw):
     )
     runner.init_kv_pool(4096, **kw)
     return runner
-
-
-def prefill(runner, prompts, return_all_logits=False):
-    pool = runner.kv_pool
-    rows = [pool.alloc_req() for _ in prompts]
-    locs = torch.cat([pool.extend_slots(r, 0, len(p)) for r, p in zip(rows, prompts)])
-    batch = ForwardBatch.build(prompts, [0] * len(prompts), rows, locs, pool.req_to_token)
-    logits = runner.forward(batch, return_all_logits)
-    free_requests(pool, rows, [len(p) for p in prompts])
-    return logits
 
 
 def assert_close_logits(ours, ref):

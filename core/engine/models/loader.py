@@ -1,6 +1,6 @@
-"""HF directory -> model with weights: build on the meta device (where a quantization method swaps
-its layers in), materialize once in the target dtype and device, then hand each safetensors tensor
-to its module by name.
+"""Checkpoint (an HF directory or a GGUF file, see checkpoint.py) -> model with weights: build on
+the meta device (where a quantization method swaps its layers in), materialize once in the target
+dtype and device, then hand each checkpoint tensor to its module by its HF name.
 
 By default a tensor is copied into the parameter of that name. A module may take its tensors over
 (a quantized linear quantizes a bf16 weight as it arrives, keeps an fp8 one with its scale): it
@@ -11,45 +11,14 @@ layers/linear.py) gets its projections' tensors with ``shard`` set to the projec
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Iterator
-
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from engine.models.checkpoint import Checkpoint
 from engine.registry import EngineError
 
-INDEX_FILE = "model.safetensors.index.json"
 # tensors some checkpoints carry that we recompute instead of loading
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def checkpoint_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not os.path.isfile(os.path.join(model_dir, n))]
-        if missing:
-            raise EngineError(f"{index} lists shards that are not in the directory: "
-                              f"{', '.join(missing)}.")
-        return [os.path.join(model_dir, n) for n in names]
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        others = [f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth"))]
-        hint = (f" It has {', '.join(others[:3])}: convert the weights to safetensors."
-                if others else "")
-        raise EngineError(f"'{model_dir}' has no *.safetensors weights.{hint}")
-    return [os.path.join(model_dir, f) for f in files]
-
-
-def iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def _accepted(module: nn.Module, done: set) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -84,45 +53,45 @@ def checkpoint_index(model: nn.Module) -> dict[str, tuple[nn.Module, str, str | 
 
 
 def _copy(module: nn.Module, local: str, shard: str | None, tensor: torch.Tensor,
-          name: str) -> None:
+          name: str, ckpt: Checkpoint) -> None:
     param = getattr(module, local)
     if shard is not None:
         start, rows = module.shard_rows(shard)
         param = param.narrow(0, start, rows)
     if tuple(param.shape) != tuple(tensor.shape):
-        raise EngineError(f"Tensor '{name}' has shape {tuple(tensor.shape)} in the checkpoint "
-                          f"but the model expects {tuple(param.shape)} "
-                          f"(does config.json match the weights?).")
+        raise EngineError(f"Tensor {ckpt.label(name)} has shape {tuple(tensor.shape)} in the "
+                          f"checkpoint but the model expects {tuple(param.shape)} "
+                          f"({ckpt.mismatch_hint}).")
     param.copy_(tensor)  # converts to the model's dtype and device
 
 
-def load_weights(model: nn.Module, files: list[str]) -> None:
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
     index = checkpoint_index(model)
     seen = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, tensor in iter_tensors(files):
+    for name, tensor in ckpt.tensors(dtype):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # a tied head is the embedding; some checkpoints store it anyway
         if name not in index:
-            raise EngineError(f"Unexpected tensor '{name}' in the checkpoint: the model has no "
-                              f"such weight (wrong architecture in config.json?).")
+            raise EngineError(f"Unexpected tensor {ckpt.label(name)} in the checkpoint: the "
+                              f"model has no such weight (wrong architecture in "
+                              f"{ckpt.config_source}?).")
         module, local, shard, _ = index[name]
         if hasattr(module, "load_tensor"):
             module.load_tensor(local, tensor, shard)
         else:
-            _copy(module, local, shard, tensor, name)
+            _copy(module, local, shard, tensor, name, ckpt)
         seen.add(name)
     missing = sorted(n for n, (*_, required) in index.items() if required and n not in seen)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise EngineError(f"The checkpoint lacks {len(missing)} tensor(s) the model needs: "
-                          f"{', '.join(missing[:5])}{more}.")
+        raise EngineError(f"The checkpoint {ckpt.path} lacks {len(missing)} tensor(s) the model "
+                          f"needs: {', '.join(missing[:5])}{more}.")
 
 
 @torch.no_grad()
-def load_model(model_cls, config, model_dir: str, dtype: torch.dtype, device="cpu",
+def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="cpu",
                quant_method=None) -> nn.Module:
-    files = checkpoint_files(model_dir)
     with torch.device("meta"):
         # dtype first (free on meta), then one allocation on the device, no init pass
         model = model_cls(config).to(dtype=dtype)
@@ -135,7 +104,7 @@ def load_model(model_cls, config, model_dir: str, dtype: torch.dtype, device="cp
     for module in model.modules():
         if module is not model and hasattr(module, "init_buffers"):
             module.init_buffers()
-    load_weights(model, files)
+    load_weights(model, ckpt, dtype)
     if quant_method is not None:
         for module in model.modules():
             quant_method.process_weights(module)

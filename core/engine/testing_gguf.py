@@ -1,0 +1,178 @@
+"""For tests and benchmarks: write a GGUF file from a Hugging Face checkpoint the way llama.cpp's
+``convert_hf_to_gguf.py`` does (its tensor names, its Q/K row permutation for "llama", Llama 3's
+rope factors as a ``rope_freqs`` tensor, the tokenizer as ``tokenizer.ggml.*`` metadata), with
+the ``gguf`` package's writer and quantizers.
+
+Written independently of ``engine.models.gguf`` (the reader), so that a test of one against the
+other, or against transformers' own GGUF loader, can catch a mistake in either direction."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+# HF name pieces -> llama.cpp's, as its converter writes them
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+PER_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3"}
+# K-quants have no quantizer in the gguf package: their blocks are filled with random bits and
+# these float16 scale fields (byte offsets in a block) set small, so the weights stay tame
+K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                   "Q6_K": (208,)}
+K_SCALE = {"Q2_K": 4e-4, "Q3_K": 4e-4, "Q4_K": 5e-5, "Q5_K": 2.5e-5, "Q6_K": 1e-5}
+
+
+def gguf_tensor_name(name: str) -> str:
+    if name in GLOBAL:
+        return GLOBAL[name]
+    _, _, rest = name.partition("model.layers.")
+    layer, _, tail = rest.partition(".")
+    module, _, suffix = tail.rpartition(".")
+    return f"blk.{layer}.{PER_LAYER[module]}.{suffix}"
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permutation of q/k rows: per head, (half, pair) -> (pair, half)."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(rs: dict, dim: int, base: float) -> np.ndarray:
+    """What llama.cpp stores as rope_freqs for a Llama 3.1 rope scaling ``rs``."""
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / base ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _encode(gguf, arr: np.ndarray, qtype: str, rng: np.random.Generator):
+    """(data, raw type) for one 2-D weight; rows that a block does not divide stay F32."""
+    Q = gguf.GGMLQuantizationType
+    q = Q[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[q]
+    if q == Q.F32 or arr.shape[-1] % block:
+        return arr.astype(np.float32), Q.F32
+    if q == Q.F16:
+        return arr.astype(np.float16), Q.F16
+    if qtype in K_SCALE_OFFSETS:
+        blocks = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // block, size), dtype=np.uint8)
+        for off in K_SCALE_OFFSETS[qtype]:
+            blocks[..., off:off + 2] = np.frombuffer(
+                np.float16(K_SCALE[qtype]).tobytes(), dtype=np.uint8)
+        return blocks.reshape(arr.shape[0], -1), q
+    return gguf.quants.quantize(arr.astype(np.float32), q), q
+
+
+def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: bool = True,
+               architecture: str | None = None, seed: int = 0) -> str:
+    """Convert the HF checkpoint in ``hf_dir`` (config.json, model.safetensors, tokenizer.json)
+    into ``out_path``; 2-D weights in ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q2_K..Q6_K), norms in F32. ``architecture`` overrides general.architecture (for tests of
+    unsupported ones); ``tokenizer=False`` leaves the tokenizer metadata out."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    arch = architecture or ARCH[hf["architectures"][0]]
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or \
+        hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    w = gguf.GGUFWriter(out_path, arch)
+    w.add_name(os.path.basename(hf_dir.rstrip("/")))
+    w.add_file_type(int(gguf.LlamaFileType[_file_type(qtype)]))
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf.get("max_position_embeddings", 2048))
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(hf.get("rms_norm_eps", 1e-6))
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(params["factor"])
+    w.add_vocab_size(hf["vocab_size"])
+    if tokenizer:
+        _add_tokenizer(w, hf_dir)
+
+    rng = np.random.default_rng(seed)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    if rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(params, head_dim, theta))
+    for name, arr in tensors.items():
+        if hf.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        arr = arr.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = permute_rows(arr, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = permute_rows(arr, kv_heads)
+        if arr.ndim == 2:
+            data, raw = _encode(gguf, arr, qtype, rng)
+            w.add_tensor(gguf_tensor_name(name), data, raw_dtype=raw)
+        else:
+            w.add_tensor(gguf_tensor_name(name), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _file_type(qtype: str) -> str:
+    return {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16",
+            "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M", "Q3_K": "MOSTLY_Q3_K_M",
+            "Q2_K": "MOSTLY_Q2_K"}.get(qtype, f"MOSTLY_{qtype}")
+
+
+def _add_tokenizer(w, hf_dir: str) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp writes one ("gpt2"): tokens by id, merges,
+    token types (3 = control for the special tokens), special ids, chat template."""
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    for key, setter in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                        ("pad_token", w.add_pad_token_id)):
+        if tok_config.get(key) in special:
+            setter(special[tok_config[key]])
+    w.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    if tok_config.get("chat_template"):
+        w.add_chat_template(tok_config["chat_template"])
