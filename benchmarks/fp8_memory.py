@@ -7,7 +7,7 @@ previous one) on the same random Llama checkpoint (saved in bfloat16, like real 
   pool, runtime buffers, allocator slack), from /proc/self/status; peak: the high-water mark
   (VmHWM) reached during Engine() minus the same baseline: loading transients included;
 - KV B/tok and the token capacity of a fixed static budget (sizing.plan with --mem-fraction-static
-  on a fake device of BUDGET bytes, the same arithmetic as at start);
+  on a fake device of --budget-mib MiB, the same arithmetic as at start);
 - output tok/s of a greedy batch (prefill included; best of --repeats), after a warm-up
   request, on one torch thread by default (steadier on a shared machine).
 On CPUs without native bf16 (x86 without AVX512-BF16/AMX) bf16 matmuls are emulated and much
@@ -16,7 +16,7 @@ rule quotes ~50x for big matmuls), so float32 is the CPU speed baseline and the 
 float32 activations (weights widened per layer) as well as bf16 ones.
 
     python benchmarks/fp8_memory.py [--requests 8] [--prompt-len 32] [--new-tokens 32]
-        [--threads 1] [--repeats 2] [--only 1,3]
+        [--threads 1] [--repeats 2] [--only 1,3] [--model default]
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import sys
 import tempfile
 import time
 
+from bench_models import RANDOM, add_model_option, name, resolve
+
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=8000,
              max_position_embeddings=1024)
-BUDGET = 1 << 30  # bytes of "device memory" x mem_fraction_static for the capacity column
 # (label, engine options)
 CONFIGS = [
     ("float32 (CPU baseline)", dict(dtype="float32")),
@@ -68,19 +69,21 @@ def child(model_dir: str, options: dict, args) -> dict:
 
     torch.set_num_threads(args.threads)
     # load the tokenizer code and run a first matmul now, so the reading below holds only them
-    transformers.AutoTokenizer.from_pretrained(model_dir)
+    transformers.AutoTokenizer  # noqa: B018 - imports the tokenizer code
     torch.randn(64, 64) @ torch.randn(64, 64)
     before, _ = rss()
     tokens = args.requests * (args.prompt_len + args.new_tokens) + 256
     engine = Engine(model_dir, max_total_tokens=tokens, **options)
     loaded, load_peak = rss()
     runner = engine.runner
-    budget = DeviceInfo("cpu", "budget", None, BUDGET, BUDGET)
+    budget_bytes = args.budget_mib << 20
+    budget = DeviceInfo("cpu", "budget", None, budget_bytes, budget_bytes)
+    mc = runner.model_config
     capacity = plan(EngineConfig(mem_fraction_static=0.5), budget, runner.weight_bytes,
-                    runner.kv_bytes_per_token(), "", MODEL["max_position_embeddings"])
+                    runner.kv_bytes_per_token(), "", mc.max_position_embeddings)
     params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": args.new_tokens}
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, MODEL["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+    prompts = [torch.randint(3, mc.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.requests)]
     engine.generate(input_ids=[prompts[0][:8]], sampling_params={**params, "max_new_tokens": 2})
     elapsed = float("inf")
@@ -108,11 +111,17 @@ def main():
                     help="torch threads (default 1: steady timings on a shared machine)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per configuration; best")
     ap.add_argument("--only", help="comma-separated config numbers (1-based) to run")
+    add_model_option(ap, "a 12-layer 512-wide Llama saved in bfloat16")
+    ap.add_argument("--budget-mib", type=int,
+                    help="'device memory' for the capacity column (x mem_fraction_static 0.5); "
+                         "default 1024 for the random model, 4096 for others")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.budget_mib is None:
+        args.budget_mib = 1024 if args.model == RANDOM else 4096
     if args.child:
-        print(json.dumps(child(args.model, json.loads(args.child), args)))
+        print(json.dumps(child(args.model_dir, json.loads(args.child), args)))
         return
     import torch
 
@@ -121,20 +130,24 @@ def main():
     picked = [CONFIGS[int(i) - 1] for i in args.only.split(",")] if args.only else CONFIGS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(tmp, "LlamaForCausalLM", save_dtype=torch.bfloat16, **MODEL)
+        model_dir = resolve(args.model, lambda: make_tiny_model(
+            tmp, "LlamaForCausalLM", save_dtype=torch.bfloat16, **MODEL))
         for label, options in picked:
-            cmd = [sys.executable, __file__, "--child", json.dumps(options), "--model", model_dir,
+            cmd = [sys.executable, __file__, "--child", json.dumps(options),
+                   "--model-dir", model_dir,
                    "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
                    "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), "--budget-mib", str(args.budget_mib)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append((label, json.loads(out.stdout.strip().splitlines()[-1])))
     base = rows[0][1]  # float32: the CPU speed baseline
     bf16 = next((r for label, r in rows if label == "bf16"), base)  # the memory baseline
     mib = 1 << 20
-    print(f"model: random Llama {MODEL}, checkpoint bfloat16; {args.requests} requests x "
+    about = (f"random Llama {MODEL}, checkpoint bfloat16" if args.model == RANDOM else
+             name(args.model, model_dir))
+    print(f"model: {about}; {args.requests} requests x "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, greedy; "
-          f"{base['threads']} torch threads; capacity: KV tokens that fit in {BUDGET // mib} MiB "
+          f"{base['threads']} torch threads; capacity: KV tokens that fit in {args.budget_mib} MiB "
           f"x mem_fraction_static 0.5 after the weights")
     print(f"{'configuration':<28}{'weights':>8}{'vs bf16':>8}{'linear':>8}{'vs bf16':>8}"
           f"{'RSS load':>9}{'peak':>7}"

@@ -5,7 +5,10 @@ EOS ignored. HF runs padded batches of 32 (left padding), each to its longest re
 count only the requested tokens. Also prints the decode step time at batch 64 against the
 float32 matmul roofline: the same step's matmuls alone, measured here.
 
-    python benchmarks/offline_throughput.py [--requests 256] [--skip-hf]
+    python benchmarks/offline_throughput.py [--requests 256] [--skip-hf] [--model default]
+
+``--model``: ``random`` (a random 125M-parameter Llama, the default), ``default``
+(SmolLM2-135M-Instruct) or a path (HF directory or .gguf; HF loads a GGUF with its own loader).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import time
 
 import torch
 
+from bench_models import add_model_option, describe, load_hf, model_config, resolve
+
 from engine import Engine
 from engine.testing import make_tiny_model
 
@@ -26,9 +31,9 @@ MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              max_position_embeddings=1024)
 
 
-def workload(n: int, seed: int = 0):
+def workload(n: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
-    return [([rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randint(32, 512))],
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))],
              rng.randint(16, 256)) for _ in range(n)]
 
 
@@ -44,9 +49,7 @@ def run_engine(model_dir, work):
 
 
 def run_hf(model_dir, work, batch_size=32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf(model_dir)
     model.generation_config.eos_token_id = None  # run every request to its length
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
@@ -64,13 +67,13 @@ def run_hf(model_dir, work, batch_size=32):
     return sum(n for _, n in work) / elapsed, elapsed
 
 
-def decode_matmuls(m=64, reps=7):
-    """The float32 matmul roofline of a decode step: the step's linear layers alone (same shapes,
-    separate weights per layer, so they stream from memory as in the model) at batch ``m``.
-    Returns (GFLOP per step, best seconds)."""
-    h, f, v = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"]
-    kv = h // MODEL["num_attention_heads"] * MODEL["num_key_value_heads"]
-    shapes = [(h, h + 2 * kv), (h, h), (h, 2 * f), (f, h)] * MODEL["num_hidden_layers"]
+def decode_matmuls(c, m=64, reps=7):
+    """The float32 matmul roofline of a decode step of the model of ModelConfig ``c``: the
+    step's linear layers alone (same shapes, separate weights per layer, so they stream from
+    memory as in the model) at batch ``m``. Returns (GFLOP per step, best seconds)."""
+    h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * f), (f, h)] * c.num_layers
     weights = [torch.randn(k, n) for k, n in [*shapes, (h, v)]]
     inputs = {k: torch.randn(m, k) for k in {k for k, _ in shapes}}
     best = float("inf")
@@ -83,8 +86,9 @@ def decode_matmuls(m=64, reps=7):
 
 
 def decode_step_time(engine, batch=64, prompt_len=128, steps=20):
+    vocab = engine.runner.model_config.vocab_size
     reqs = [r for i in range(batch) for r in engine.add_request(
-        [3 + (i * 31 + j) % 30000 for j in range(prompt_len)],
+        [3 + (i * 31 + j) % (vocab - 3) for j in range(prompt_len)],
         {"temperature": 0, "ignore_eos": True, "max_new_tokens": steps + 4})]
     while any(r.prefilling or r.kv_len == 0 for r in reqs):
         engine.step()
@@ -102,17 +106,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
+    add_model_option(ap, "a 125M-parameter Llama")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    work = workload(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(tmp, "LlamaForCausalLM", **MODEL)
+        model_dir = resolve(args.model, lambda: make_tiny_model(tmp, "LlamaForCausalLM", **MODEL))
+        config = model_config(model_dir)
+        work = workload(args.requests, config.vocab_size)
         ours, ours_s, engine = run_engine(model_dir, work)
         params = sum(p.numel() for p in engine.runner.model.parameters())
         step = decode_step_time(engine)
         hf = run_hf(model_dir, work) if not args.skip_hf else None
-    gflop, matmul_s = decode_matmuls()
-    print(f"model: random Llama, {params / 1e6:.0f}M parameters, float32, "
+    gflop, matmul_s = decode_matmuls(config)
+    print(f"model: {describe(args.model, model_dir, params)}, float32, "
           f"{torch.get_num_threads()} threads; {args.requests} requests, "
           f"{sum(n for _, n in work)} output tokens; engine attention backend: "
           f"{engine.attention_backend}")

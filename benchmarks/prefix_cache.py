@@ -3,7 +3,7 @@
 Runs the same workload three ways in one process: lpm with the radix cache, fcfs with the cache,
 and the cache disabled; prints output tokens/s and the ratios against the cache-disabled run.
 
-    python benchmarks/prefix_cache.py [--requests 64] [--system-prompts 4]
+    python benchmarks/prefix_cache.py [--requests 64] [--system-prompts 4] [--model default]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import tempfile
 import time
 
 import torch
+from bench_models import add_model_option, resolve
+from bench_models import name as model_name
 
 from engine import Engine
 from engine.testing import make_tiny_model
@@ -51,13 +53,14 @@ def main():
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-total-tokens", type=int, default=12000)
     ap.add_argument("--repeats", type=int, default=3, help="best of N runs per configuration")
+    add_model_option(ap, "a 4-layer 256-wide Llama")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(tmp, hidden_size=256, intermediate_size=704,
-                                    num_hidden_layers=4, num_attention_heads=8,
-                                    num_key_value_heads=4, max_position_embeddings=1024)
+        model_dir = resolve(args.model, lambda: make_tiny_model(
+            tmp, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024))
         prompts, params = workload(args.requests, args.system_prompts, args.prompt_len,
                                    args.output_len)
         common = {"max_total_tokens": args.max_total_tokens, "repeats": args.repeats}
@@ -68,7 +71,8 @@ def main():
             "cache disabled": run(model_dir, prompts, params, disable_radix_cache=True, **common),
         }
     base = runs["cache disabled"][0]
-    print(f"{args.requests} requests, prompt {args.prompt_len} tokens (90% shared among "
+    print(f"model: {model_name(args.model, model_dir)}; "
+          f"{args.requests} requests, prompt {args.prompt_len} tokens (90% shared among "
           f"{args.system_prompts} system prompts), {args.output_len} output tokens each, "
           f"{torch.get_num_threads()} threads, best of {args.repeats}")
     print(f"{'run':<20} {'output tok/s':>12} {'seconds':>8} {'cached tokens':>14} {'vs disabled':>12}")

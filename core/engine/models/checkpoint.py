@@ -185,7 +185,11 @@ class GGUFCheckpoint(Checkpoint):
         self._file = None
         root = cache_root() / "gguf" / GGUF_CACHE_VERSION
         stem = os.path.basename(path).removesuffix(".gguf")
-        self.cache_dir = root / f"{stem}-{file_sha256(path, root / 'hashes.json')[:16]}"
+        try:
+            digest = file_sha256(path, root / "hashes.json")
+        except OSError as e:
+            raise EngineError(f"cannot read '{path}': {e.strerror}.") from None
+        self.cache_dir = root / f"{stem}-{digest[:16]}"
         cached = self.cache_dir / "config.json"
         if cached.is_file():
             self.hf_config = json.loads(cached.read_text())
@@ -225,8 +229,14 @@ class GGUFCheckpoint(Checkpoint):
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         done = self._weights_dir(dtype) / "files.json"
-        if done.is_file():
-            files = [str(done.parent / f) for f in json.loads(done.read_text())]
+        files = [str(done.parent / f) for f in json.loads(done.read_text())] \
+            if done.is_file() else []
+        if files and not all(os.path.isfile(f) for f in files):
+            logger.warning(f"the GGUF cache {done.parent} lost some of its files; converting "
+                           f"again")
+            shutil.rmtree(done.parent, ignore_errors=True)
+            files = []
+        if files:
             self.notes.append(f"GGUF {self.path}: weights ({str(dtype)[6:]}), config and "
                               f"tokenizer read from the cache {self.cache_dir}")
             return iter_safetensors(files)

@@ -123,8 +123,11 @@ class GGUFFile:
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise GGUFError(f"cannot read '{path}': {e.strerror}.") from None
         if magic != b"GGUF":
             raise EngineError(f"'{path}' is not a GGUF file: it starts with {magic!r}, not the "
                               f"magic bytes b'GGUF'.")
