@@ -15,8 +15,8 @@ import os
 import numpy as np
 
 # HF name pieces -> llama.cpp's, as its converter writes them
-GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+          "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 PER_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

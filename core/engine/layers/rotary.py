@@ -1,6 +1,7 @@
 """Rotary position embedding (the half-split "neox" layout HF Llama checkpoints use), with
-linear and llama3 frequency scaling, or explicit per-frequency factors (GGUF's rope_freqs). cos/sin are cached per position and looked up by
-``positions``, so requests at different offsets share one batch."""
+linear and llama3 frequency scaling, or explicit per-frequency factors (GGUF's rope_freqs).
+cos/sin are cached per position and looked up by ``positions``, so requests at different offsets
+share one batch."""
 
 from __future__ import annotations
 

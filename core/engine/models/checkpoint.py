@@ -74,15 +74,12 @@ def open_checkpoint(path: str) -> Checkpoint:
                       f"model directory (config.json plus *.safetensors) or a .gguf file.")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # -- Hugging Face directories ---------------------------------------------------------------
-def read_config_json(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isdir(model_dir):
-        raise EngineError(f"Model path '{model_dir}' is not a directory.")
-    if not os.path.isfile(path):
-        raise EngineError(
-            f"'{model_dir}' has no config.json; point the model path at a Hugging Face "
-            f"model directory (config.json plus *.safetensors) or a .gguf file.")
+def read_config_json(path: str) -> dict:
     with open(path) as f:
         try:
             return json.load(f)
@@ -124,7 +121,7 @@ class HFCheckpoint(Checkpoint):
         super().__init__()
         self.path = model_dir
         self.config_source = os.path.join(model_dir, "config.json")
-        self.hf_config = read_config_json(model_dir)
+        self.hf_config = read_config_json(self.config_source)
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(safetensors_files(self.path))  # copied into dtype by the loader
@@ -225,7 +222,7 @@ class GGUFCheckpoint(Checkpoint):
 
     # weights ---------------------------------------------------------------------------------
     def _weights_dir(self, dtype: torch.dtype) -> Path:
-        return self.cache_dir / f"weights-{str(dtype).removeprefix('torch.')}"
+        return self.cache_dir / f"weights-{dtype_name(dtype)}"
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         done = self._weights_dir(dtype) / "files.json"
@@ -237,8 +234,8 @@ class GGUFCheckpoint(Checkpoint):
             shutil.rmtree(done.parent, ignore_errors=True)
             files = []
         if files:
-            self.notes.append(f"GGUF {self.path}: weights ({str(dtype)[6:]}), config and "
-                              f"tokenizer read from the cache {self.cache_dir}")
+            self.notes.append(f"GGUF {self.path}: weights ({dtype_name(dtype)}) and config "
+                              f"read from the cache {self.cache_dir}")
             return iter_safetensors(files)
         return self._convert(dtype)
 
@@ -261,11 +258,11 @@ class GGUFCheckpoint(Checkpoint):
             seconds = time.perf_counter() - start
             if writer is not None and self._try_cache("weights", writer.finish):
                 writer = None
-                self.notes.append(f"GGUF {self.path}: dequantized to {str(dtype)[6:]} in "
+                self.notes.append(f"GGUF {self.path}: dequantized to {dtype_name(dtype)} in "
                                   f"{seconds:.1f} s and cached in {self.cache_dir} (later starts "
                                   f"read the cache)")
             else:
-                self.notes.append(f"GGUF {self.path}: dequantized to {str(dtype)[6:]} in "
+                self.notes.append(f"GGUF {self.path}: dequantized to {dtype_name(dtype)} in "
                                   f"{seconds:.1f} s (not cached)")
         finally:
             if writer is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from engine.interfaces import AttentionLayerSpec
@@ -51,13 +50,6 @@ class ModelConfig:
                                sliding_window=self.sliding_window if i in windowed else None)
             for i in range(self.num_layers)
         ]
-
-    @classmethod
-    def from_dir(cls, model_dir: str, models_registry=None) -> "ModelConfig":
-        from engine.models.checkpoint import read_config_json
-
-        return cls.from_hf(read_config_json(model_dir), models_registry,
-                           source=os.path.join(model_dir, "config.json"))
 
     @classmethod
     def from_checkpoint(cls, ckpt, models_registry=None) -> "ModelConfig":
