@@ -16,7 +16,7 @@ from engine import Engine
 from engine.models.checkpoint import open_checkpoint
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import greedy_generate, prefill_logits
+from engine.testing import dense_state_dict, greedy_generate, prefill_logits
 from engine.testing_gguf import write_gguf
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -164,8 +164,8 @@ def test_conversion_is_cached_and_the_cache_reads_back_the_same(tiny_model_facto
     again = runner_for(path, registries, cpu_device)
     assert "read from the cache" in again.checkpoint.notes[0]
     assert again.checkpoint._file is None  # the GGUF itself was not even parsed
-    for (name, a), (_, b) in zip(first.model.state_dict().items(),
-                                 again.model.state_dict().items()):
+    for (name, a), (_, b) in zip(dense_state_dict(first.model).items(),
+                                 dense_state_dict(again.model).items()):
         assert torch.equal(a, b), name
     cache = again.checkpoint.cache_dir
     assert (cache / "config.json").is_file() and (cache / "weights-float32").is_dir()
@@ -173,8 +173,8 @@ def test_conversion_is_cached_and_the_cache_reads_back_the_same(tiny_model_facto
         shard.unlink()  # a damaged cache is converted again, not trusted
     third = runner_for(path, registries, cpu_device)
     assert "dequantized to float32" in third.checkpoint.notes[0]
-    assert torch.equal(third.model.state_dict()["lm_head.weight"],
-                       first.model.state_dict()["lm_head.weight"])
+    assert torch.equal(dense_state_dict(third.model)["lm_head.weight"],
+                       dense_state_dict(first.model)["lm_head.weight"])
 
 
 def test_an_unwritable_cache_still_loads(tiny_model_factory, registries, cpu_device, tmp_path,

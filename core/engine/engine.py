@@ -90,6 +90,7 @@ class Engine:
             logger.info(note)
         logger.info(f"model {self.model_name} ({ckpt.path}): {mc.architecture}, "
                     f"{runner.dtype_reason}")
+        logger.info(runner.linear_kernel)
         if quant_entry is not None:
             how = ("--quantization" if config.quantization else
                    "detected from the checkpoint's quantization_config")

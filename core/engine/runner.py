@@ -10,6 +10,7 @@ from engine.device import DeviceInfo
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
+from engine.layers.linear import prepack_linears
 from engine.memory.kv_pool import KVPool
 from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
@@ -38,6 +39,8 @@ class ModelRunner:
         model_cls = resolve_model_class(registries, self.model_config.architecture)
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method)
+        # oneDNN-prepacked float32 weights on CPU, F.linear elsewhere: the log line says which
+        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype)
         self.weight_bytes = weight_bytes(self.model)  # as stored: quantized tensors count as such
         self.attention_factory = attention_factory or registries.attention.get("torch_native").obj
         self.kv_dtype = kv_dtype or KVDtype()

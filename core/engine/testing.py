@@ -162,3 +162,8 @@ def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = F
     logits = runner.forward(batch, return_all_logits)
     free_requests(pool, rows, [len(p) for p in prompts])
     return logits
+
+
+def dense_state_dict(model) -> dict:
+    """``model.state_dict()`` with oneDNN-prepacked weights turned back into plain tensors."""
+    return {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}

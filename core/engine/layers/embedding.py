@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import PrepackedWeight
+
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
@@ -16,13 +18,16 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(PrepackedWeight, nn.Module):
+    tied = False  # sharing the embedding's weight (prepacking then keeps a packed copy)
+
     def __init__(self, dim: int, vocab_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
 
     def tie_to(self, embedding: Embedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return self.linear(hidden)

@@ -112,4 +112,9 @@ def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights as stored: quantized tensors count as such, oneDNN-packed ones too
+    (a packed copy of a tied head included)."""
+    packed = [b for b in model.buffers() if b.is_mkldnn]
+    seen = {id(b) for b in packed}
+    params = [p for p in model.parameters() if id(p) not in seen]
+    return sum(t.numel() * t.element_size() for t in params + packed)

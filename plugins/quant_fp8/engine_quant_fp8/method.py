@@ -13,6 +13,7 @@ import logging
 import torch
 
 from engine.interfaces import QuantMethod
+from engine.layers.quantized import swap_quantizable
 from engine.registry import EngineError
 from engine_quant_fp8.linear import FP8Linear
 
@@ -53,22 +54,7 @@ class FP8Method(QuantMethod):
                 f"{qc['weight_block_size']}); engine-quant-fp8 loads per-tensor and "
                 f"per-channel FP8 checkpoints only.")
         ignored = set(qc.get("ignored_layers") or ())
-        for name, layer in list(model.named_modules()):
-            if not getattr(layer, "quantizable", False):
-                continue
-            parent, _, attr = name.rpartition(".")
-            prefix = parent if layer.shards else name
-            names = [f"{parent}.{s}" if parent else s for s in layer.shards] \
-                if layer.shards else [name]
-            skipped = [n in ignored for n in names]
-            if all(skipped):
-                continue
-            if any(skipped):
-                raise EngineError(f"ignored_layers lists only part of the packed projections "
-                                  f"{', '.join(names)}; they run as one matmul here, so list "
-                                  f"all of them or none.")
-            setattr(model.get_submodule(parent) if parent else model, attr,
-                    FP8Linear.like(layer, prefix))
+        swap_quantizable(model, FP8Linear.like, ignored)
         self._logged = False
         return model
 
