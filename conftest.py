@@ -87,6 +87,22 @@ def tiny_model_dir(request, tiny_model_factory):
     return tiny_model_factory(getattr(request, "param", "llama"))
 
 
+@pytest.fixture(scope="session")
+def make_runner(registries, cpu_device):
+    """``make(path, quantization=None, kv="auto", dtype="float32", tokens=2048)``: a
+    ModelRunner with its KV pool."""
+    from engine.runner import ModelRunner
+
+    def make(path, quantization=None, kv="auto", dtype="float32", tokens=2048):
+        method = registries.quantization.get(quantization).obj if quantization else None
+        runner = ModelRunner(path, registries=registries, device=cpu_device, dtype=dtype,
+                             kv_dtype=registries.kv_dtypes.get(kv).obj, quant_method=method)
+        runner.init_kv_pool(tokens)
+        return runner
+
+    return make
+
+
 @pytest.fixture
 def single_torch_thread():
     """Run a test on one torch thread. Tiny models gain nothing from more, and on a shared

@@ -167,3 +167,30 @@ def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = F
 def dense_state_dict(model) -> dict:
     """``model.state_dict()`` with oneDNN-prepacked weights turned back into plain tensors."""
     return {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
+
+
+def teacher_forced_logits(runner, prompts: list[list[int]], prefill: int) -> torch.Tensor:
+    """float32 logits [prompts, len - 1, V] predicting each next prompt token: the first
+    ``prefill`` tokens of every prompt in one extend step, then one token per decode step, so
+    both attention paths read the KV pool. The prompts share one length. Runs on one thread."""
+    from engine.forward_batch import ForwardBatch
+
+    length = len(prompts[0])
+    pool = runner.kv_pool
+    rows = [pool.alloc_req() for _ in prompts]
+    steps = [[p[:prefill] for p in prompts]] + [[[p[i]] for p in prompts]
+                                                for i in range(prefill, length - 1)]
+    out, done = [], 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # also in module fixtures, which run before single_torch_thread
+    try:
+        for new in steps:
+            n = len(new[0])
+            locs = torch.cat([pool.extend_slots(r, done, n) for r in rows])
+            batch = ForwardBatch.build(new, [done] * len(rows), rows, locs, pool.req_to_token)
+            out.append(runner.forward(batch, return_all_logits=True).view(len(rows), n, -1))
+            done += n
+    finally:
+        torch.set_num_threads(threads)
+    free_requests(pool, rows, [done] * len(rows))
+    return torch.cat(out, dim=1)
