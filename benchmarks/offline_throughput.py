@@ -3,7 +3,8 @@
 Workload (fixed seed): prompt lengths uniform in [32, 512], output lengths uniform in [16, 256],
 EOS ignored. HF runs padded batches of 32 (left padding), each to its longest request; both sides
 count only the requested tokens. Also prints the decode step time at batch 64 against the
-float32 matmul roofline: the same step's matmuls alone, measured here.
+float32 matmul roofline: the same step's matmuls alone through the fastest float32 path measured
+here (oneDNN-prepacked weights or a plain matmul).
 
     python benchmarks/offline_throughput.py [--requests 256] [--skip-hf] [--model default]
 
@@ -70,19 +71,41 @@ def run_hf(model_dir, work, batch_size=32):
 def decode_matmuls(c, m=64, reps=7):
     """The float32 matmul roofline of a decode step of the model of ModelConfig ``c``: the
     step's linear layers alone (same shapes, separate weights per layer, so they stream from
-    memory as in the model) at batch ``m``. Returns (GFLOP per step, best seconds)."""
+    memory as in the model) at batch ``m``, each through the fastest float32 path this machine
+    offers: oneDNN-prepacked weights (what the engine runs on CPU) or a plain matmul, whichever
+    measures faster in total. Returns (GFLOP per step, best seconds, path)."""
     h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * f), (f, h)] * c.num_layers
-    weights = [torch.randn(k, n) for k, n in [*shapes, (h, v)]]
+    weights = [torch.randn(n, k) for k, n in [*shapes, (h, v)]]
     inputs = {k: torch.randn(m, k) for k in {k for k, _ in shapes}}
+    paths = {"matmul": [(w.t(), lambda x, w: x @ w) for w in weights]}
+    if torch.backends.mkldnn.is_available():
+        linear = torch.ops.mkldnn._linear_pointwise
+        paths["oneDNN prepacked"] = [
+            (torch.ops.mkldnn._reorder_linear_weight(w, m),
+             lambda x, w: linear(x, w, None, "none", [], "")) for w in weights]
+    best = {}
+    for name, calls in paths.items():
+        best[name] = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            for (w, call), raw in zip(calls, weights):
+                call(inputs[raw.shape[1]], w)
+            best[name] = min(best[name], time.perf_counter() - start)
+    path = min(best, key=best.get)
+    return 2 * m * sum(w.numel() for w in weights) / 1e9, best[path], path
+
+
+def read_bandwidth(mib=512, reps=5):
+    """Bytes per second this machine streams from memory (a float32 sum over ``mib`` MiB)."""
+    x = torch.ones(mib * 2**20 // 4)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        for w in weights:
-            inputs[w.shape[0]] @ w
+        x.sum()
         best = min(best, time.perf_counter() - start)
-    return 2 * m * sum(w.numel() for w in weights) / 1e9, best
+    return x.numel() * 4 / best
 
 
 def decode_step_time(engine, batch=64, prompt_len=128, steps=20):
@@ -116,8 +139,9 @@ def main():
         ours, ours_s, engine = run_engine(model_dir, work)
         params = sum(p.numel() for p in engine.runner.model.parameters())
         step = decode_step_time(engine)
+        step1 = decode_step_time(engine, batch=1)
         hf = run_hf(model_dir, work) if not args.skip_hf else None
-    gflop, matmul_s = decode_matmuls(config)
+    gflop, matmul_s, path = decode_matmuls(config)
     print(f"model: {describe(args.model, model_dir, params)}, float32, "
           f"{torch.get_num_threads()} threads; {args.requests} requests, "
           f"{sum(n for _, n in work)} output tokens; engine attention backend: "
@@ -129,8 +153,16 @@ def main():
         print(f"ratio engine / HF: {ours / hf[0]:.2f}x")
     print(f"decode step at batch 64 (128-token prompts): {step * 1e3:.1f} ms = "
           f"{gflop / step:.1f} GFLOP/s; its {gflop:.1f} GFLOP of matmuls alone (float32, same "
-          f"shapes and weight sizes): {matmul_s * 1e3:.1f} ms = {gflop / matmul_s:.1f} GFLOP/s; "
+          f"shapes and weight sizes, {path}, the faster here): {matmul_s * 1e3:.1f} ms = {gflop / matmul_s:.1f} GFLOP/s; "
           f"fraction of that roofline: {matmul_s / step:.2f}")
+    bw = read_bandwidth()
+    embed = engine.runner.model.model.embed_tokens.weight
+    read = engine.runner.weight_bytes - embed.numel() * embed.element_size()  # rows looked up
+    mib, floor = read / 2**20, read / bw
+    print(f"decode step at batch 1: {step1 * 1e3:.1f} ms; reading the {mib:.0f} MiB of "
+          f"weights a step reads (all but the embedding) once at this machine's "
+          f"{bw / 1e9:.1f} GB/s takes {floor * 1e3:.1f} ms; fraction of that bandwidth "
+          f"roofline: {floor / step1:.2f}")
 
 if __name__ == "__main__":
     main()

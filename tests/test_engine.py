@@ -129,3 +129,26 @@ def test_zero_new_tokens_finishes_without_output(engine):
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert not engine.scheduler.has_work
+
+
+def test_torch_compile_serves_the_same_greedy_tokens(tiny_model_factory, caplog):
+    """--enable-torch-compile: compiled at start (logged), small forwards compiled, larger ones
+    eager, same greedy output as the eager engine; a bad --torch-compile-max-bs is refused."""
+    import logging
+
+    path = tiny_model_factory("llama")
+    prompts = [[5 + i, 17, 99, 4 + i] * (3 + 4 * i) for i in range(3)]  # 12, 28, 44 tokens
+    params = {"max_new_tokens": 12, "temperature": 0}
+    eager = Engine(path, max_total_tokens=2048).generate(input_ids=prompts,
+                                                         sampling_params=params)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        engine = Engine(path, max_total_tokens=2048, enable_torch_compile=True,
+                        torch_compile_max_bs=16)
+    assert "torch.compile: decoder compiled for forwards of up to 16 tokens" in caplog.text
+    assert "outside the compiled decoder prepacked for oneDNN" in caplog.text
+    compiled = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in compiled] == [o["output_ids"] for o in eager]
+    calls = engine.runner.compiled.calls
+    assert calls["compiled"] >= 11 and calls["eager"] >= 1  # decodes; the 28/44-token prefills
+    with pytest.raises(ValueError, match="--torch-compile-max-bs must be >= 1, got 0"):
+        Engine(path, enable_torch_compile=True, torch_compile_max_bs=0)

@@ -47,7 +47,8 @@ def encode(path, texts=PROMPTS):
 
 def make_runner(path, registries, device, **kw):
     runner = ModelRunner(
-        path, registries=registries, device=device, dtype=kw.pop("dtype", "float32")
+        path, registries=registries, device=device, dtype=kw.pop("dtype", "float32"),
+        compile_max_tokens=kw.pop("compile_max_tokens", None),
     )
     runner.init_kv_pool(4096, **kw)
     return runner
@@ -58,12 +59,29 @@ def assert_close_logits(ours, ref):
     assert diff <= LOGIT_TOL * max(1.0, ref.abs().max().item()), diff
 
 
+# the linear paths: oneDNN-prepacked weights (the CPU default), plain F.linear, and the decoder
+# compiled by torch.compile (every forward of these tests fits its 256 tokens)
+LINEAR_PATHS = ["prepacked", "plain"]
+
+
+def runner_on_path(path, registries, device, linear_path, monkeypatch):
+    if linear_path == "plain":
+        monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")
+    runner = make_runner(path, registries, device,
+                         compile_max_tokens=256 if linear_path == "compiled" else None)
+    packed = [m.packed for m in runner.model.modules() if hasattr(m, "packed")]
+    assert any(packed) == (linear_path != "plain")
+    assert all(packed) == (linear_path == "prepacked")
+    return runner
+
+
+@pytest.mark.parametrize("linear_path", LINEAR_PATHS)
 @pytest.mark.parametrize("tiny_model_dir", list(TINY_CASES), indirect=True)
-def test_logits_match_hf(tiny_model_dir, registries, cpu_device):
+def test_logits_match_hf(tiny_model_dir, registries, cpu_device, linear_path, monkeypatch):
     hf = hf_model(tiny_model_dir)
     prompts = encode(tiny_model_dir)
     assert len({len(p) for p in prompts}) == len(prompts) and max(map(len, prompts)) > 12
-    runner = make_runner(tiny_model_dir, registries, cpu_device)
+    runner = runner_on_path(tiny_model_dir, registries, cpu_device, linear_path, monkeypatch)
     last = prefill(runner, prompts)
     every = prefill(runner, prompts, return_all_logits=True)
     assert last.shape == (len(prompts), runner.model_config.vocab_size)
@@ -77,16 +95,38 @@ def test_logits_match_hf(tiny_model_dir, registries, cpu_device):
             start += len(p)
 
 
+@pytest.mark.parametrize("linear_path", LINEAR_PATHS)
 @pytest.mark.parametrize("tiny_model_dir", list(TINY_CASES), indirect=True)
-def test_greedy_matches_hf_generate(tiny_model_dir, registries, cpu_device):
+def test_greedy_matches_hf_generate(tiny_model_dir, registries, cpu_device, linear_path,
+                                    monkeypatch):
     hf = hf_model(tiny_model_dir)
     prompts = encode(tiny_model_dir)
-    runner = make_runner(tiny_model_dir, registries, cpu_device)
+    runner = runner_on_path(tiny_model_dir, registries, cpu_device, linear_path, monkeypatch)
     ours = greedy_generate(runner, prompts, 32)
     for p, out in zip(prompts, ours):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=2)
         assert out == ref[0, len(p) :].tolist()
     assert runner.kv_pool.free_slots == runner.kv_pool.size
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_compiled_decoder_matches_hf(tiny_model_dir, registries, cpu_device, monkeypatch):
+    """--enable-torch-compile: prefill and decode through the compiled decoder (one graph for
+    every token count: no recompiles), logits and greedy tokens as HF's."""
+    hf = hf_model(tiny_model_dir)
+    prompts = encode(tiny_model_dir)
+    runner = runner_on_path(tiny_model_dir, registries, cpu_device, "compiled", monkeypatch)
+    every = prefill(runner, prompts, return_all_logits=True)
+    start = 0
+    with torch.no_grad():
+        for p in prompts:
+            assert_close_logits(every[start: start + len(p)], hf(torch.tensor([p])).logits[0])
+            start += len(p)
+    ours = greedy_generate(runner, prompts, 16)  # batches of 4, then 3, 2, 1 rows (padded)
+    for p, out in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)
+        assert out == ref[0, len(p):].tolist()
+    assert runner.compiled.calls["eager"] == 0 and runner.compiled.calls["compiled"] > 16
 
 
 def test_bf16_stays_close_to_float32(tiny_model_dir, registries, cpu_device):

@@ -116,6 +116,11 @@ ENGINE_OPTIONS = [
     click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
     click.option("--disable-radix-cache", is_flag=True, help="No prefix sharing."),
     click.option("--decode-log-interval", default=_D.decode_log_interval, type=int),
+    click.option("--enable-torch-compile", is_flag=True,
+                 help="Compile the decoder with torch.compile (inductor) for forwards of up to "
+                      "--torch-compile-max-bs tokens; bigger ones stay eager."),
+    click.option("--torch-compile-max-bs", default=_D.torch_compile_max_bs, type=int,
+                 help="Largest batch (tokens per forward) that runs compiled."),
     click.option("--seed", default=_D.seed, type=int),
 ]
 

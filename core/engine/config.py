@@ -34,6 +34,9 @@ class EngineConfig:
     disable_radix_cache: bool = False
     decode_log_interval: int = 40
     max_queued_requests: int | None = None
+    # torch.compile of the decoder stack for forwards of up to torch_compile_max_bs tokens
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # parallelism and compilation (GPU features; validated, refused on CPU where meaningless)
     tp_size: int = 1
     dp_size: int = 1
@@ -65,6 +68,8 @@ class EngineConfig:
              f"--chunked-prefill-size must be -1 (disabled) or >= 1, got {c}")
         need(self.max_prefill_tokens >= 1,
              f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        need(self.torch_compile_max_bs >= 1,
+             f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.tp_size == 1,

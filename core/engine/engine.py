@@ -68,7 +68,9 @@ class Engine:
         self.runner = runner = ModelRunner(
             ckpt, registries=regs, device=self.device, dtype=config.dtype,
             attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
-            quant_method=quant_entry.obj if quant_entry else None)
+            quant_method=quant_entry.obj if quant_entry else None,
+            compile_max_tokens=config.torch_compile_max_bs if config.enable_torch_compile
+            else None)
         mc = runner.model_config
         # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
         reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
@@ -77,6 +79,13 @@ class Engine:
                            config.kv_cache_dtype, mc.max_position_embeddings, reference)
         pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
                                    self.sizing.max_running_requests, self.sizing.context_length)
+        if runner.compiled is not None:
+            from engine.compile import warm_up
+
+            seconds = warm_up(runner)
+            logger.info(f"torch.compile: decoder compiled for forwards of up to "
+                        f"{config.torch_compile_max_bs} tokens in {seconds:.1f} s (inductor, "
+                        f"dynamic token dimension; cache {runner.compiled.cache_dir})")
         cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
                                                                    config.page_size)
         self.eos_token_ids = set(mc.eos_token_ids)

@@ -16,6 +16,7 @@ from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import resolve_dtype
 from engine.models.loader import load_model, weight_bytes
+from engine.registry import EngineError
 
 
 def resolve_model_class(registries, architecture: str):
@@ -30,8 +31,10 @@ def resolve_model_class(registries, architecture: str):
 class ModelRunner:
     def __init__(self, model: str | Checkpoint, *, registries, device: DeviceInfo,
                  dtype: str = "auto", attention_factory=None, kv_dtype: KVDtype | None = None,
-                 quant_method=None):
-        """``model``: a path (HF directory or GGUF file) or an opened Checkpoint."""
+                 quant_method=None, compile_max_tokens: int | None = None):
+        """``model``: a path (HF directory or GGUF file) or an opened Checkpoint;
+        ``compile_max_tokens``: torch.compile the decoder stack for forwards up to that many
+        tokens (``--enable-torch-compile``; see compile.py)."""
         self.device = device
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
         self.model_config = ModelConfig.from_checkpoint(ckpt, registries.models)
@@ -39,8 +42,18 @@ class ModelRunner:
         model_cls = resolve_model_class(registries, self.model_config.architecture)
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method)
+        self.compiled = None
+        decoder = getattr(self.model, "model", None) if compile_max_tokens else None
         # oneDNN-prepacked float32 weights on CPU, F.linear elsewhere: the log line says which
-        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype)
+        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype,
+                                             skip=decoder)
+        if compile_max_tokens:
+            from engine.compile import CompiledDecoder
+
+            if decoder is None:
+                raise EngineError(f"--enable-torch-compile: {type(self.model).__name__} has no "
+                                  f"decoder stack at .model to compile.")
+            self.compiled = CompiledDecoder(decoder, compile_max_tokens)
         self.weight_bytes = weight_bytes(self.model)  # as stored: quantized tensors count as such
         self.attention_factory = attention_factory or registries.attention.get("torch_native").obj
         self.kv_dtype = kv_dtype or KVDtype()

@@ -53,5 +53,26 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        if torch.compiler.is_compiling():
+            return attention_op(q, k, v, self.layer_id)
         ctx = get_forward_context()
         return ctx.backend.forward(q, k, v, self.layer_id, ctx.batch)
+
+
+@torch.library.custom_op("engine::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 layer_id: int) -> torch.Tensor:
+    """The backend's attention as one opaque op, so that torch.compile traces the layers around
+    it without tracing the backend (which writes the KV pool and reads per-step metadata). Rows
+    past the batch's tokens are padding: they attend nothing and come back as zeros."""
+    ctx = get_forward_context()
+    n = ctx.batch.num_tokens
+    out = ctx.backend.forward(q[:n], k[:n], v[:n], layer_id, ctx.batch)
+    if q.shape[0] > n:
+        out = torch.cat([out, out.new_zeros(q.shape[0] - n, *out.shape[1:])])
+    return out
+
+
+@attention_op.register_fake
+def _(q, k, v, layer_id):
+    return torch.empty_like(q)

@@ -62,19 +62,25 @@ class PrepackedWeight:
         return F.linear(x, self.weight, bias)
 
 
-def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """Prepack every plain linear weight of ``model`` when oneDNN runs here; returns the log line
-    that says which kernel the linear layers use."""
+def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                    skip: nn.Module | None = None) -> str:
+    """Prepack every plain linear weight of ``model`` (but those inside ``skip``: a compiled
+    region, where inductor packs its own) when oneDNN runs here; returns the log line that says
+    which kernel the linear layers use."""
     reason = prepack_reason(torch.device(device), dtype)
     if reason is not None:
         return f"linear layers: F.linear ({reason})"
     n = 0
+    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
     for module in model.modules():
+        if id(module) in skipped:
+            continue
         if isinstance(module, PrepackedWeight) and not module.packed:
             tied = getattr(module, "tied", False)
             module.prepack(keep_plain=tied)
             n += 1
-    return (f"linear layers: {n} float32 weights prepacked for oneDNN "
+    where = "" if skip is None else " outside the compiled decoder"
+    return (f"linear layers: {n} float32 weights{where} prepacked for oneDNN "
             f"(torch.ops.mkldnn._linear_pointwise)")
 
 
