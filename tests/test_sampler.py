@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 
 import engine.sampling.sampler as sampler_module
 from engine.sampling import Sampler, SamplingBatch, SamplingParams
-from engine.sampling.penalties import flat_token_index
+from engine.sampling.penalties import SeenTokens, output_counts, repetition_index
 from engine.sampling.sampler import make_generator, top_k_top_p_min_p
 
 V = 64
@@ -129,11 +129,70 @@ def test_all_penalties_apply_in_order_repetition_then_frequency_presence():
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
-def test_flat_token_index_counts_each_row_token_pair():
-    ids = [[1, 1, 2], [], [63, 0, 63, 63]]
-    index, counts = flat_token_index(ids, V)
-    expected = {(r * V + t): row.count(t) for r, row in enumerate(ids) for t in set(row)}
-    assert dict(zip(index.tolist(), counts.tolist())) == expected
+def test_seen_tokens_give_each_row_token_pair_once_with_its_output_count():
+    prompts = [[1, 1, 2], [], [63, 0, 63], [5]]
+    outputs = [[2, 7, 7], [4, 4], [], [9]]
+    seen = [SeenTokens(V, p, o) for p, o in zip(prompts, outputs)]
+    seen[3] = None  # a row without penalties
+    index = repetition_index(seen, V).tolist()
+    assert sorted(index) == sorted({r * V + t for r in range(3) for t in prompts[r] + outputs[r]})
+    index, counts = output_counts(seen, V)
+    assert dict(zip(index.tolist(), counts.tolist())) == {
+        r * V + t: outputs[r].count(t) for r in range(3) for t in set(outputs[r])}
+    with pytest.raises(AssertionError, match="outside vocab"):
+        SeenTokens(V, [1, V], [])
+
+
+def test_running_counts_over_many_steps_equal_the_from_scratch_penalties():
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=0, repetition_penalty=0.9, frequency_penalty=-0.5,
+                       presence_penalty=1.0, min_new_tokens=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.3, seed=1),
+    ]
+    prompts = [[1, 2, 2, 9], [3, 4], [5, 5, 6, 7, 8, 60], [10], [11, 12, 11]]
+    outputs = [[] for _ in params]
+    seen = [SeenTokens(V, pr) if p.uses_penalties else None for p, pr in zip(params, prompts)]
+    gens, scratch_gens = ([make_generator(p.seed) for p in params] for _ in range(2))
+    for step in range(40):
+        logits = random_logits(len(params), seed=100 + step, scale=1.0)
+        running = SamplingBatch.build(params, prompts, outputs, gens, {EOS}, V, seen=seen)
+        scratch = build(params, prompts, outputs, scratch_gens)
+        penalized = Sampler().penalize(logits, running)
+        assert torch.equal(penalized, Sampler().penalize(logits, scratch))
+        for i, p in enumerate(params):  # HF's repetition rule, then OpenAI's formula
+            expected = hf_row([RepetitionPenaltyLogitsProcessor(p.repetition_penalty)],
+                              logits[i], prompts[i] + outputs[i])
+            for tok in set(outputs[i]):
+                count = outputs[i].count(tok)
+                expected[tok] -= count * p.frequency_penalty + p.presence_penalty
+            if len(outputs[i]) < p.min_new_tokens:
+                expected[EOS] = -math.inf
+            torch.testing.assert_close(penalized[i], expected, rtol=0, atol=1e-6)
+        tokens = Sampler()(logits.clone(), running, overwrite=True).next_token_ids
+        assert torch.equal(tokens, Sampler()(logits, scratch).next_token_ids)
+        for out, s, tok in zip(outputs, seen, tokens.tolist()):
+            out.append(tok)
+            if s is not None:
+                s.add(tok)
+    assert all(len(set(out)) > 5 for out in outputs[:3])  # the penalties had tokens to act on
+
+
+def test_overwrite_penalizes_in_place_but_keeps_raw_logits_for_logprobs():
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
+    logits = random_logits(1, seed=15)
+    batch = build(params, [[int(logits[0].argmax())]])
+    kept = logits.clone()
+    tokens = Sampler()(kept, batch, overwrite=True).next_token_ids
+    assert not torch.equal(kept, logits)  # overwritten: no [B, V] copy
+    assert tokens.tolist() == Sampler().penalize(logits, batch).argmax(-1).tolist()
+    params = [dataclasses.replace(params[0], logprobs=True)]
+    kept = logits.clone()
+    result = Sampler()(kept, build(params, [[int(logits[0].argmax())]]), overwrite=True)
+    assert torch.equal(kept, logits)
+    assert result.logprobs.tolist() == logits.log_softmax(-1)[0, tokens].tolist()
 
 
 def test_penalty_tensors_are_skipped_when_no_row_uses_them():

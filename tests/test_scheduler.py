@@ -188,3 +188,40 @@ def test_n_samples_share_the_prompt_and_free_everything(model):
     assert len({tuple(o["output_ids"]) for o in outs}) > 1  # different samples
     assert sum(o["meta_info"]["cached_tokens"] for o in outs[1:]) >= 3 * 29  # shared prefix KV
     assert_all_free(engine)
+
+
+def test_a_full_batch_does_not_order_or_match_the_queue(model):
+    engine = make(model, max_running_requests=2)
+    s = engine.scheduler
+    reqs = [engine.add_request(ids(i, 12), {**GREEDY, "max_new_tokens": 6})[0] for i in range(5)]
+    while len(s.running) < 2 or any(r.prefilling for r in s.running):
+        engine.step()
+    calls = []
+    order, match = s.policy.order, s.kv.match
+    s.policy.order = lambda *a: calls.append("order") or order(*a)
+    s.kv.match = lambda *a: calls.append("match") or match(*a)
+    while len(s.running) == 2 and not any(r.finished for r in reqs):
+        engine.step()  # two decodes, three waiting: nothing can be admitted
+    assert calls == []
+    while s.has_work:
+        engine.step()
+    assert "order" in calls and all(r.finished for r in reqs)
+    assert [r.output_ids for r in reqs] == run_all(make(model), [ids(i, 12) for i in range(5)], 6)
+    assert_all_free(engine)
+
+
+def test_many_finishing_in_one_step_and_aborts_keep_the_invariants(model):
+    engine = make(model, page_size=4)
+    s = engine.scheduler
+    reqs = [engine.add_request(ids(i, 5 + i), {**GREEDY, "max_new_tokens": 4 + i % 2})[0]
+            for i in range(12)]
+    engine.step()
+    engine.abort(reqs[0])  # running
+    engine.abort(reqs[0])  # twice is harmless
+    while s.has_work:
+        engine.step()
+        s.check_invariants()
+        assert all(r.status.value == "running" for r in s.running)
+    assert reqs[0].finish_reason == "abort"
+    assert [len(r.output_ids) for r in reqs[1:]] == [4 + i % 2 for i in range(1, 12)]
+    assert_all_free(engine)

@@ -45,8 +45,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, input_ids: list[list[int]], prefix_lens: list[int], req_pool_indices: list[int],
-              out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, device="cpu") -> "ForwardBatch":
-        """Assemble a batch from per-request new tokens (host lists) and their slots."""
+              out_cache_loc: torch.Tensor | None, req_to_token: torch.Tensor,
+              device="cpu") -> "ForwardBatch":
+        """Assemble a batch from per-request new tokens (host lists) and their slots
+        (``out_cache_loc`` None: read from ``req_to_token`` at the new tokens' positions)."""
         extend = [len(x) for x in input_ids]
         assert all(e > 0 for e in extend), "every request in a batch brings at least one token"
         if all(e == 1 for e in extend):
@@ -62,11 +64,14 @@ class ForwardBatch:
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        positions_t, rows_t, extend_t = t(positions), t(req_pool_indices), t(extend)
+        if out_cache_loc is None:
+            out_cache_loc = req_to_token[rows_t.repeat_interleave(extend_t), positions_t]
         return cls(
-            mode=mode, input_ids=t(flat), positions=t(positions),
+            mode=mode, input_ids=t(flat), positions=positions_t,
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            req_pool_indices=t(req_pool_indices), prefix_lens=t(prefix_lens),
-            extend_lens=t(extend), seq_lens=t([p + e for p, e in zip(prefix_lens, extend)]),
+            req_pool_indices=rows_t, prefix_lens=t(prefix_lens),
+            extend_lens=extend_t, seq_lens=t([p + e for p, e in zip(prefix_lens, extend)]),
             req_to_token=req_to_token, prefix_lens_list=list(prefix_lens),
             extend_lens_list=extend, logits_indices=ends.to(device),
         )

@@ -6,9 +6,11 @@ import torch
 
 from engine.sampling.params import SamplingParams
 from engine.sampling.penalties import (
+    SeenTokens,
     apply_frequency_presence_penalty,
     apply_repetition_penalty,
-    flat_token_index,
+    output_counts,
+    repetition_index,
 )
 
 
@@ -73,10 +75,18 @@ class SamplingBatch:
         eos_token_ids: set[int] | list[int],
         vocab_size: int,
         device="cpu",
+        seen: list[SeenTokens | None] | None = None,
     ) -> SamplingBatch:
-        """Gather the rows' parameters into tensors; generators[i] is make_generator(seed)."""
+        """Gather the rows' parameters into tensors; generators[i] is make_generator(seed).
+
+        ``seen[i]``: row i's running token counts (kept by the caller across steps), needed
+        where params[i].uses_penalties; without ``seen`` they are counted here from the ids.
+        """
         n = len(params)
         assert len(prompt_ids) == n and len(output_ids) == n and len(generators) == n
+        if seen is None:
+            seen = [SeenTokens(vocab_size, pr, out) if p.uses_penalties else None
+                    for p, pr, out in zip(params, prompt_ids, output_ids)]
         for p, gen in zip(params, generators):
             assert p.seed is None or gen is not None, "a seeded request needs its own generator"
         V = vocab_size
@@ -94,14 +104,15 @@ class SamplingBatch:
         rep = [p.repetition_penalty for p in params]
         rep_index = None
         if any(r != 1.0 for r in rep):
-            ids = [pr + out if r != 1.0 else [] for pr, out, r in zip(prompt_ids, output_ids, rep)]
-            rep_index = flat_token_index(ids, V, device)[0]
+            rep_index = repetition_index([s if r != 1.0 else None for s, r in zip(seen, rep)],
+                                         V, device)
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         out_index = counts = None
         if any(f != 0.0 or q != 0.0 for f, q in zip(freq, pres)):
-            ids = [out if f != 0.0 or q != 0.0 else [] for out, f, q in zip(output_ids, freq, pres)]
-            out_index, counts = flat_token_index(ids, V, device)
+            out_index, counts = output_counts(
+                [s if f != 0.0 or q != 0.0 else None for s, f, q in zip(seen, freq, pres)],
+                V, device)
 
         banned_rows, banned_ids = [], []
         for i, (p, out) in enumerate(zip(params, output_ids)):
@@ -170,24 +181,33 @@ class Sampler:
     temperature, top-k, top-p, min-p and an exponential race for the others.
     """
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 overwrite: bool = False) -> SampleOutput:
+        """``overwrite``: the caller no longer needs ``logits``, so the penalties may change
+        them in place instead of in a copy (a [B, V] copy is the largest cost of a step's
+        sampling at large B); they are kept when a row asks for logprobs of the raw logits."""
         assert logits.dim() == 2 and logits.shape == (batch.size, batch.vocab_size)
-        raw = logits.float()
-        penalized = self.penalize(raw, batch)
-        if batch.all_greedy:
-            tokens = penalized.argmax(dim=-1)
-        else:
-            probs = self.warp(penalized, batch).softmax(dim=-1)
-            tokens = (probs / self._noise(probs, batch)).argmax(dim=-1)
-            if batch.any_greedy:
-                tokens = torch.where(batch.greedy, penalized.argmax(dim=-1), tokens)
-        return self._with_logprobs(raw, tokens, batch)
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            raw = logits.float()
+            penalized = self.penalize(raw, batch,
+                                      inplace=overwrite and batch.top_logprobs is None)
+            if batch.all_greedy:
+                tokens = penalized.argmax(dim=-1)
+            else:
+                probs = self.warp(penalized, batch).softmax(dim=-1)
+                tokens = (probs / self._noise(probs, batch)).argmax(dim=-1)
+                if batch.any_greedy:
+                    tokens = torch.where(batch.greedy, penalized.argmax(dim=-1), tokens)
+            return self._with_logprobs(raw, tokens, batch)
 
-    def penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Repetition, frequency and presence penalties, then the min_new_tokens ban (a copy)."""
+    def penalize(self, logits: torch.Tensor, batch: SamplingBatch,
+                 inplace: bool = False) -> torch.Tensor:
+        """Repetition, frequency and presence penalties, then the min_new_tokens ban (in a copy
+        unless ``inplace``)."""
         if batch.repetition_index is None and batch.output_index is None and batch.banned is None:
             return logits
-        logits = logits.clone(memory_format=torch.contiguous_format)
+        if not inplace or not logits.is_contiguous():
+            logits = logits.clone(memory_format=torch.contiguous_format)
         if batch.repetition_index is not None:
             apply_repetition_penalty(logits, batch.repetition_index, batch.repetition_penalty)
         if batch.output_index is not None:

@@ -67,6 +67,35 @@ class KVManager:
         req.alloc_len += need
         return True
 
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        """Free slots that ``grow_decodes(reqs)`` takes."""
+        return self.page * sum(r.alloc_len == r.kv_len and r.alloc_len % self.page == 0
+                               for r in reqs)
+
+    def grow_decodes(self, reqs: list[Req]) -> None:
+        """One more slot for each of ``reqs`` (each decodes one token), allocated and recorded
+        in one go; the caller has made ``decode_slots_needed(reqs)`` free."""
+        reqs = [r for r in reqs if r.alloc_len == r.kv_len]
+        if not reqs:
+            return
+        table, page = self.pool.req_to_token, self.page
+        positions = [r.alloc_len for r in reqs]
+        assert max(positions) < table.shape[1], "sequence longer than max_context_len"
+        rows = torch.tensor([r.row for r in reqs], device=table.device)
+        pos = torch.tensor(positions, device=table.device)
+        full = [p % page == 0 for p in positions]  # rows whose last page is full
+        pages = self.pool.alloc_pages(sum(full))
+        assert pages is not None, "no room made for the decodes"
+        pages = pages.to(table.device)
+        if page == 1:
+            slots = pages
+        else:  # a new page where the last one is full, else the last page's next slot
+            slots = table[rows, (pos - 1).clamp(min=0)] + 1
+            slots[torch.tensor(full, device=table.device)] = pages * page
+        table[rows, pos] = slots
+        for r in reqs:
+            r.alloc_len += 1
+
     def slots_needed(self, req: Req, n: int) -> int:
         need = n - (req.alloc_len - req.kv_len)
         return self.pool.pages_needed(req.alloc_len, need) * self.page if need > 0 else 0

@@ -30,6 +30,7 @@ class Req:
     generator: Any = None  # per-request torch.Generator when seeded
     group_leader: "Req | None" = None  # for n > 1: wait until the leader's prompt is cached
     detokenizer: Any = None  # set by whoever needs text while running (stop strings, streams)
+    seen: Any = None  # SeenTokens for penalties, made by the scheduler at the first sampling
     # KV state (set by the scheduler)
     row: int | None = None  # row in kv_pool.req_to_token
     kv_len: int = 0  # tokens of seq whose K/V is in the pool
@@ -46,6 +47,11 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    def append_token(self, token: int) -> None:
+        self.output_ids.append(token)
+        if self.seen is not None:
+            self.seen.add(token)
 
     @property
     def seq(self) -> list[int]:

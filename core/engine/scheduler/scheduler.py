@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, SamplingBatch, token_stop_reason
+from engine.sampling.penalties import SeenTokens
 from engine.scheduler.admission import NewTokenRatio, PrefillBudget, reserved_tokens
 from engine.scheduler.kv import KVManager
 from engine.scheduler.request import Req, Status
@@ -73,9 +72,9 @@ class Scheduler:
         self.step_no += 1
         decodes = [r for r in self.running if not r.prefilling]
         retracted = self._make_room(decodes)
-        decodes = [r for r in decodes if r.status is Status.RUNNING]
-        for r in decodes:
-            assert self.kv.grow(r, 1)
+        if retracted:
+            decodes = [r for r in decodes if r.status is Status.RUNNING]
+        self.kv.grow_decodes(decodes)
         prefill, new_seqs, cached = self._admit(len(decodes))
         entries = [(r, 1, False) for r in decodes] + [(r, n, True) for r, n in prefill]
         stats = StepStats(self.step_no, "idle", len(self.running), len(self.waiting), 0,
@@ -100,21 +99,21 @@ class Scheduler:
 
     def _make_room(self, decodes: list[Req]) -> int:
         """Free slots for this step's decodes, retracting requests when the pool is short."""
-        need = sum(self.kv.slots_needed(r, 1) for r in decodes)
+        need = self.kv.decode_slots_needed(decodes)
         if self.kv.ensure_free(need):
             return 0
         victims = []
         for victim in pick_victims(self.running):
-            if self.kv.ensure_free(need) or len(self.running) == 1:
+            if self.kv.ensure_free(need) or len(self.running) - len(victims) == 1:
                 break
             if not victim.prefilling:
                 need -= self.kv.slots_needed(victim, 1)
-            self.running.remove(victim)
             self.kv.release(victim, keep_in_cache=False)
             victim.status = Status.WAITING
             victim.num_retractions += 1
-            self.waiting.append(victim)
             victims.append(victim)
+        self.running = [r for r in self.running if r.status is Status.RUNNING]
+        self.waiting += victims
         assert self.kv.ensure_free(need), "a lone request does not fit the KV pool"
         old, new = self.ratio.after_retraction(self.running)
         self.counters.retracted_reqs += len(victims)
@@ -126,17 +125,22 @@ class Scheduler:
         budget = PrefillBudget(float("inf") if cps == -1 else max(cps - num_decodes, 0),
                                self.config.max_prefill_tokens, self.kv.page)
         entries, new_seqs, cached = [], 0, 0
-        for r in self.running:  # a chunked prompt continues first
-            if r.prefilling:
-                n = budget.take(r.seq_len - r.kv_len)
-                if n and self.kv.grow(r, n):
-                    budget.spend(n)
-                    entries.append((r, n))
-        if not self.waiting:
+        if len(self.running) > num_decodes:  # a chunked prompt continues first
+            for r in self.running:
+                if r.prefilling:
+                    n = budget.take(r.seq_len - r.kv_len)
+                    if n and self.kv.grow(r, n):
+                        budget.spend(n)
+                        entries.append((r, n))
+        # nothing can be admitted (every prompt brings at least one token): don't order the queue
+        if (not self.waiting or len(self.running) >= self.sizing.max_running_requests
+                or budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
             return entries, new_seqs, cached
         ratio = self.ratio.value
         reserve = sum(reserved_tokens(r, ratio) + (r.seq_len - r.kv_len - 1)
                       for r in self.running)
+        if self.kv.pool.free_slots + self.kv.evictable - reserve < 1 and (self.running or entries):
+            return entries, new_seqs, cached
         hints = {}
 
         def prefix_len(r: Req) -> int:
@@ -174,7 +178,6 @@ class Scheduler:
             if not self.kv.grow(r, n):
                 self.kv.release(r, keep_in_cache=False)
                 break
-            self.waiting.remove(r)
             r.status = Status.RUNNING
             self.running.append(r)
             if r.num_retractions == 0:
@@ -188,6 +191,8 @@ class Scheduler:
             cached += len(slots)
             if n < extend:
                 break  # one chunked prompt at a time
+        if new_seqs:
+            self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
         return entries, new_seqs, cached
 
     def _prefix_in_flight(self, r: Req, matched: int, entries) -> bool:
@@ -200,14 +205,11 @@ class Scheduler:
                    for f, _ in entries)
 
     # -- forward, sample, finish -----------------------------------------------------------------
-    def _run(self, entries: list[tuple[Req, int]]) -> list[Req]:
+    def _run(self, entries: list[tuple[Req, int, bool]]) -> list[Req]:
         table = self.kv.pool.req_to_token
-        ids, locs = [], []
-        for r, n, _ in entries:
-            ids.append(r.tokens(r.kv_len, r.kv_len + n))
-            locs.append(table[r.row, r.kv_len: r.kv_len + n])
-        batch = ForwardBatch.build(ids, [r.kv_len for r, _, _ in entries],
-                                   [r.row for r, _, _ in entries], torch.cat(locs), table,
+        batch = ForwardBatch.build([r.tokens(r.kv_len, r.kv_len + n) for r, n, _ in entries],
+                                   [r.kv_len for r, _, _ in entries],
+                                   [r.row for r, _, _ in entries], None, table,
                                    device=table.device)
         logits = self.runner.forward(batch)
         sample = []
@@ -220,31 +222,40 @@ class Scheduler:
         if not sample:
             return []
         rows = [entries[i][0] for i in sample]
-        out = self._sample(logits[sample], rows)
-        touched = []
+        out = self._sample(logits if len(sample) == len(entries) else logits[sample], rows)
+        tokens = out.next_token_ids.tolist()  # the step's one device sync
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         now = time.monotonic()
+        finished = False
         for j, r in enumerate(rows):
-            token = int(out.next_token_ids[j])
-            r.output_ids.append(token)
-            if out.logprobs is not None and r.params.logprobs:
-                r.output_logprobs.append(float(out.logprobs[j]))
+            token = tokens[j]
+            r.append_token(token)
+            if logprobs is not None and r.params.logprobs:
+                r.output_logprobs.append(logprobs[j])
                 if out.top_logprobs is not None:
                     r.output_top_logprobs.append(out.top_logprobs[j])
             if r.first_token_time is None:
                 r.first_token_time = now
                 self.counters.ttft.append(now - r.created)
-            self.counters.generation_tokens += 1
             self._check_stop(r, token)
-            touched.append(r)
-        return touched
+            finished = finished or r.finished
+        self.counters.generation_tokens += len(rows)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+        return rows
 
     def _sample(self, logits, rows: list[Req]):
+        for r in rows:
+            if r.seen is None and r.params.uses_penalties:
+                r.seen = SeenTokens(self.vocab_size, r.prompt_ids, r.output_ids)
         batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows],
                                     [r.output_ids for r in rows], [r.generator for r in rows],
-                                    self.eos_ids, self.vocab_size, device=logits.device)
-        return self.sampler(logits, batch)
+                                    self.eos_ids, self.vocab_size, device=logits.device,
+                                    seen=[r.seen for r in rows])
+        return self.sampler(logits, batch, overwrite=True)
 
     def _check_stop(self, r: Req, token: int) -> None:
+        """Finish ``r`` if its latest token ends it (the caller drops it from ``running``)."""
         reason = token_stop_reason(r.params, r.output_ids, self.eos_ids)
         if reason == "stop":
             return self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
@@ -256,7 +267,6 @@ class Scheduler:
             self._release_finished(r, "length", None)
 
     def _release_finished(self, r: Req, reason: str, matched) -> None:
-        self.running.remove(r)
         self.kv.release(r, keep_in_cache=self.kv.cache is not None)
         r.matched_stop = matched
         self._finish(r, reason)
