@@ -145,7 +145,7 @@ def test_torch_compile_serves_the_same_greedy_tokens(tiny_model_factory, caplog)
         engine = Engine(path, max_total_tokens=2048, enable_torch_compile=True,
                         torch_compile_max_bs=16)
     assert "torch.compile: decoder compiled for forwards of up to 16 tokens" in caplog.text
-    assert "outside the compiled decoder prepacked for oneDNN" in caplog.text
+    assert "prepacked for oneDNN" in caplog.text  # the graph calls them as opaque ops
     compiled = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in compiled] == [o["output_ids"] for o in eager]
     calls = engine.runner.compiled.calls

@@ -4,12 +4,14 @@ through ``torch.compile`` (inductor, with freezing) for forwards of at most
 
 - Attention is one opaque custom op (``engine::attention``, layers/attention.py), so the graph
   holds everything around it and the backend keeps its own metadata and KV writes.
+- The oneDNN-prepacked linears stay what they are in eager mode, called from the graph as the
+  opaque op ``engine::prepacked_linear`` (layers/linear.py); inductor fuses what lies between
+  them (norms, rotary, SiLU x up, residual adds). Left to itself inductor packs float32 linears
+  for MKL's GEMM (static sizes) or oneDNN with its own blocking (dynamic sizes), both measured
+  slower here than the engine's prepacked weights. Other linears (a quantization plugin's) are
+  traced as they are.
 - The token dimension is dynamic: one graph serves every size from 2 to the limit, without
   recompiling (a one-token forward is padded to two, since inductor specializes sizes 0 and 1).
-  With a dynamic batch dimension inductor packs float32 linears for oneDNN
-  (``mkldnn._linear_pointwise``); with static sizes it picks MKL's packed GEMM, which on this
-  AMD EPYC measures slower, and every bucket would cost its own compile.
-- The LM head stays outside the graph, prepacked for oneDNN like the eager path's.
 - Compiled graphs are cached by inductor under ``$TORCHINDUCTOR_CACHE_DIR`` (by default
   ``<engine cache>/inductor``), so a second start with the same model and flags is faster.
 """

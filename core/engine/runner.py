@@ -45,8 +45,8 @@ class ModelRunner:
         self.compiled = None
         decoder = getattr(self.model, "model", None) if compile_max_tokens else None
         # oneDNN-prepacked float32 weights on CPU, F.linear elsewhere: the log line says which
-        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype,
-                                             skip=decoder)
+        # (a compiled graph calls the prepacked linears as opaque ops, see compile.py)
+        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 

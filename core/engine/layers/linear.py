@@ -13,6 +13,7 @@ packed, ``shards`` (projection name -> output rows, in order)."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,13 @@ class PrepackedWeight:
     packed copy is kept beside it; otherwise it replaces it (same bytes, no second copy)."""
 
     packed = False
+    packed_id = -1  # index in PACKED, how the compiled graph's custom op finds the weight
 
     def prepack(self, keep_plain: bool = False) -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                          PREPACK_BATCH_HINT)
+        self.packed_id = len(PACKED)
+        PACKED.append(weakref.ref(self))
         if keep_plain:
             self.register_buffer("packed_weight", packed, persistent=False)
         else:
@@ -58,29 +62,42 @@ class PrepackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed:
+            if torch.compiler.is_compiling():
+                return prepacked_linear(x, self.packed_id, bias, self.packed_weight.shape[0])
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
 
-def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                    skip: nn.Module | None = None) -> str:
-    """Prepack every plain linear weight of ``model`` (but those inside ``skip``: a compiled
-    region, where inductor packs its own) when oneDNN runs here; returns the log line that says
-    which kernel the linear layers use."""
+# every prepacked module of the process (weakly), by packed_id: an opaque oneDNN tensor cannot
+# enter a traced graph, so the compiled graph calls prepacked_linear with the index instead
+PACKED: list[weakref.ref] = []
+
+
+@torch.library.custom_op("engine::prepacked_linear", mutates_args=())
+def prepacked_linear(x: torch.Tensor, packed_id: int, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    weight = PACKED[packed_id]().packed_weight
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@prepacked_linear.register_fake
+def _(x, packed_id, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """Prepack every plain linear weight of ``model`` when oneDNN runs here; returns the log line
+    that says which kernel the linear layers use."""
     reason = prepack_reason(torch.device(device), dtype)
     if reason is not None:
         return f"linear layers: F.linear ({reason})"
     n = 0
-    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
     for module in model.modules():
-        if id(module) in skipped:
-            continue
         if isinstance(module, PrepackedWeight) and not module.packed:
             tied = getattr(module, "tied", False)
             module.prepack(keep_plain=tied)
             n += 1
-    where = "" if skip is None else " outside the compiled decoder"
-    return (f"linear layers: {n} float32 weights{where} prepacked for oneDNN "
+    return (f"linear layers: {n} float32 weights prepacked for oneDNN "
             f"(torch.ops.mkldnn._linear_pointwise)")
 
 
