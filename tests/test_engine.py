@@ -146,8 +146,13 @@ def test_torch_compile_serves_the_same_greedy_tokens(tiny_model_factory, caplog)
                         torch_compile_max_bs=16)
     assert "torch.compile: decoder compiled for forwards of up to 16 tokens" in caplog.text
     assert "prepacked for oneDNN" in caplog.text  # the graph calls them as opaque ops
+    graphs = dict(torch._dynamo.utils.counters["stats"])
     compiled = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in compiled] == [o["output_ids"] for o in eager]
+    alone = engine.generate(input_ids=prompts[:1], sampling_params=params)  # 1-row decodes
+    assert alone[0]["output_ids"] == eager[0]["output_ids"]
+    # nothing recompiled while serving (a recompile is a stall of seconds to minutes)
+    assert dict(torch._dynamo.utils.counters["stats"]) == graphs
     calls = engine.runner.compiled.calls
     assert calls["compiled"] >= 11 and calls["eager"] >= 1  # decodes; the 28/44-token prefills
     with pytest.raises(ValueError, match="--torch-compile-max-bs must be >= 1, got 0"):

@@ -58,6 +58,10 @@ class CompiledDecoder:
             pad = MIN_ROWS - n
             input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
+        elif not input_ids.is_inference():
+            # dynamo guards on inference-ness: a padded (new, inference) tensor and the batch's
+            # own (normal) one would each compile a graph; hand it inference tensors only
+            input_ids, positions = input_ids.clone(), positions.clone()
         return self.compiled(input_ids, positions)[:n]
 
 
