@@ -137,7 +137,9 @@ def main():
         config = model_config(model_dir)
         work = workload(args.requests, config.vocab_size)
         ours, ours_s, engine = run_engine(model_dir, work)
-        params = sum(p.numel() for p in engine.runner.model.parameters())
+        model = engine.runner.model  # prepacked weights are buffers named ...weight
+        params = sum(p.numel() for p in model.parameters()) + sum(
+            b.numel() for n, b in model.named_buffers() if n.endswith(".weight"))
         step = decode_step_time(engine)
         step1 = decode_step_time(engine, batch=1)
         hf = run_hf(model_dir, work) if not args.skip_hf else None

@@ -3,8 +3,8 @@ matmul, which is what makes small-batch CPU decode fast.
 
 On CPU in float32 the loader prepacks every weight for oneDNN (``prepack_linears``): the weight
 becomes an opaque blocked mkldnn tensor and the forward is ``torch.ops.mkldnn._linear_pointwise``,
-1.7-2.4x faster than ``F.linear`` on SmolLM2's shapes at 1 to 256 rows on a 2-core AVX2 EPYC
-(benchmarks/linear_kernels.py). Elsewhere (CUDA, other dtypes) the forward stays ``F.linear``.
+1.5x faster than ``F.linear`` for a whole SmolLM2 step at 16 and 64 rows (1.2-1.3x at 1 and
+256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). Elsewhere (CUDA, other dtypes) the forward stays ``F.linear``.
 
 These are the layers a quantization method may swap (see interfaces.QuantMethod): they say so
 with ``quantizable = True`` and expose ``in_features``, ``out_features``, ``bias`` and, when
