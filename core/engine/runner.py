@@ -43,13 +43,13 @@ class ModelRunner:
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method)
         self.compiled = None
-        decoder = getattr(self.model, "model", None) if compile_max_tokens else None
         # oneDNN-prepacked float32 weights on CPU, F.linear elsewhere: the log line says which
         # (a compiled graph calls the prepacked linears as opaque ops, see compile.py)
         self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 
+            decoder = getattr(self.model, "model", None)
             if decoder is None:
                 raise EngineError(f"--enable-torch-compile: {type(self.model).__name__} has no "
                                   f"decoder stack at .model to compile.")

@@ -19,8 +19,6 @@ class Embedding(nn.Module):
 
 
 class LMHead(PrepackedWeight, nn.Module):
-    tied = False  # sharing the embedding's weight (prepacking then keeps a packed copy)
-
     def __init__(self, dim: int, vocab_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)

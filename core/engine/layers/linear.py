@@ -4,7 +4,8 @@ matmul, which is what makes small-batch CPU decode fast.
 On CPU in float32 the loader prepacks every weight for oneDNN (``prepack_linears``): the weight
 becomes an opaque blocked mkldnn tensor and the forward is ``torch.ops.mkldnn._linear_pointwise``,
 1.5x faster than ``F.linear`` for a whole SmolLM2 step at 16 and 64 rows (1.2-1.3x at 1 and
-256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). Elsewhere (CUDA, other dtypes) the forward stays ``F.linear``.
+256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). Elsewhere (CUDA, other dtypes) the
+forward stays ``F.linear``.
 
 These are the layers a quantization method may swap (see interfaces.QuantMethod): they say so
 with ``quantizable = True`` and expose ``in_features``, ``out_features``, ``bias`` and, when
@@ -45,6 +46,7 @@ class PrepackedWeight:
     packed copy is kept beside it; otherwise it replaces it (same bytes, no second copy)."""
 
     packed = False
+    tied = False  # the weight is shared (a head tied to the embedding): keep it beside the copy
     packed_id = -1  # index in PACKED, how the compiled graph's custom op finds the weight
 
     def prepack(self, keep_plain: bool = False) -> None:
@@ -94,8 +96,7 @@ def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     n = 0
     for module in model.modules():
         if isinstance(module, PrepackedWeight) and not module.packed:
-            tied = getattr(module, "tied", False)
-            module.prepack(keep_plain=tied)
+            module.prepack(keep_plain=module.tied)
             n += 1
     return (f"linear layers: {n} float32 weights prepacked for oneDNN "
             f"(torch.ops.mkldnn._linear_pointwise)")

@@ -114,7 +114,5 @@ def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights as stored: quantized tensors count as such, oneDNN-packed ones too
     (a packed copy of a tied head included)."""
-    packed = [b for b in model.buffers() if b.is_mkldnn]
-    seen = {id(b) for b in packed}
-    params = [p for p in model.parameters() if id(p) not in seen]
-    return sum(t.numel() * t.element_size() for t in params + packed)
+    packed = [b for b in model.buffers() if b.is_mkldnn]  # never parameters: prepack swaps them
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
