@@ -16,7 +16,8 @@ from engine import Engine
 from engine.models.checkpoint import open_checkpoint
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import dense_state_dict, greedy_generate, prefill_logits
+from engine.testing import (compare_prompt_logits, dense_state_dict, greedy_generate,
+                            prefill_logits)
 from engine.testing_gguf import write_gguf
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -65,18 +66,8 @@ def runner_for(path, registries, device) -> ModelRunner:
     return runner
 
 
-def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    diff = (ours - ref).abs().max().item()
-    assert diff <= LOGIT_TOL * max(1.0, ref.abs().max().item()), diff
-
-
 def compare_logits(runner, reference, prompts) -> None:
-    every = prefill_logits(runner, prompts, return_all_logits=True)
-    start = 0
-    with torch.no_grad():
-        for p in prompts:
-            assert_close(every[start:start + len(p)], reference(torch.tensor([p])).logits[0])
-            start += len(p)
+    compare_prompt_logits(runner, reference, prompts, LOGIT_TOL)
 
 
 @pytest.mark.parametrize("case", list(ARCH_CASES))

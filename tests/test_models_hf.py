@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import TINY_CASES, greedy_generate
+from engine.testing import (TINY_CASES, assert_close_logits, compare_prompt_logits,
+                            greedy_generate)
 from engine.testing import prefill_logits as prefill
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -54,11 +55,6 @@ def make_runner(path, registries, device, **kw):
     return runner
 
 
-def assert_close_logits(ours, ref):
-    diff = (ours - ref).abs().max().item()
-    assert diff <= LOGIT_TOL * max(1.0, ref.abs().max().item()), diff
-
-
 # the linear paths: oneDNN-prepacked weights (the CPU default), plain F.linear, and the decoder
 # compiled by torch.compile around the prepacked linears (every forward of these tests fits its
 # 256 tokens)
@@ -90,8 +86,8 @@ def test_logits_match_hf(tiny_model_dir, registries, cpu_device, linear_path, mo
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ref = hf(torch.tensor([p])).logits[0]
-            assert_close_logits(last[i], ref[-1])
-            assert_close_logits(every[start : start + len(p)], ref)
+            assert_close_logits(last[i], ref[-1], LOGIT_TOL)
+            assert_close_logits(every[start : start + len(p)], ref, LOGIT_TOL)
             start += len(p)
 
 
@@ -116,12 +112,7 @@ def test_compiled_decoder_matches_hf(tiny_model_dir, registries, cpu_device, mon
     hf = hf_model(tiny_model_dir)
     prompts = encode(tiny_model_dir)
     runner = runner_on_path(tiny_model_dir, registries, cpu_device, "compiled", monkeypatch)
-    every = prefill(runner, prompts, return_all_logits=True)
-    start = 0
-    with torch.no_grad():
-        for p in prompts:
-            assert_close_logits(every[start: start + len(p)], hf(torch.tensor([p])).logits[0])
-            start += len(p)
+    compare_prompt_logits(runner, hf, prompts, LOGIT_TOL)
     ours = greedy_generate(runner, prompts, 16)  # batches of 4, then 3, 2, 1 rows (padded)
     for p, out in zip(prompts, ours):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)

@@ -164,6 +164,40 @@ def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = F
     return logits
 
 
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """max |ours - ref| <= tol * max(1, max |ref|): a tolerance relative to the logit scale."""
+    diff = (ours - ref).abs().max().item()
+    assert diff <= tol * max(1.0, ref.abs().max().item()), diff
+
+
+def compare_prompt_logits(runner, reference, prompts: list[list[int]], tol: float) -> None:
+    """Every prompt token's logits from one extend batch of ``prompts`` equal, within ``tol``
+    (``assert_close_logits``), those of ``reference`` (an HF causal LM) run on each prompt."""
+    every = prefill_logits(runner, prompts, return_all_logits=True)
+    start = 0
+    with torch.no_grad():
+        for p in prompts:
+            assert_close_logits(every[start:start + len(p)],
+                                reference(torch.tensor([p])).logits[0], tol)
+            start += len(p)
+
+
+def load_float_weight(layer, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Feed a float ``weight`` [out, in] (and ``bias``) to a quantized layer (RowQuantLinear)
+    as the loader would: one tensor per projection when the layer packs several. The caller
+    finishes loading."""
+    if layer.shards:
+        start = 0
+        for name, rows in layer.shards.items():
+            layer.load_tensor("weight", weight[start:start + rows], name)
+            start += rows
+    else:
+        layer.load_tensor("weight", weight, None)
+    if bias is not None:
+        layer.load_tensor("bias", bias, None)
+    return layer
+
+
 def dense_state_dict(model) -> dict:
     """``model.state_dict()`` with oneDNN-prepacked weights turned back into plain tensors."""
     return {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}

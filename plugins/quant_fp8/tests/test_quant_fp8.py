@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from engine.device import DeviceInfo
 from engine.plugins import get_registries, load_plugins
 from engine.registry import resolve_attention_backend, resolve_quantization
+from engine.testing import load_float_weight
 from engine_cli.main import cli
 from engine_quant_fp8.linear import FP8Linear
 from engine_quant_fp8.quant import E4M3, E5M2, dequantize, quantize_rows, widen_e4m3
@@ -93,16 +94,7 @@ def test_widen_is_exact_for_every_finite_e4m3_code():
 
 def make_layer(w: torch.Tensor, shards=None, bias=None) -> FP8Linear:
     layer = FP8Linear(w.shape[1], w.shape[0], None if bias is None else bias.dtype, shards)
-    if shards:
-        start = 0
-        for name, rows in shards.items():
-            layer.load_tensor("weight", w[start: start + rows], name)
-            start += rows
-    else:
-        layer.load_tensor("weight", w, None)
-    if bias is not None:
-        layer.load_tensor("bias", bias, None)
-    layer.finish_loading()
+    load_float_weight(layer, w, bias).finish_loading()
     return layer
 
 

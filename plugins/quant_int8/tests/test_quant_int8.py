@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine
 from engine.registry import EngineError
+from engine.testing import load_float_weight
 from engine_quant_int8 import kernels
 from engine_quant_int8.linear import Int8Linear
 from engine_quant_int8.method import kernel_reason
@@ -90,16 +91,7 @@ def test_int_mm_kernel_matches_its_formula_and_pads_small_batches():
 
 def make_layer(w, kernel, shards=None, bias=None):
     layer = Int8Linear(w.shape[1], w.shape[0], None if bias is None else bias.dtype, shards)
-    if shards:
-        start = 0
-        for name, rows in shards.items():
-            layer.load_tensor("weight", w[start:start + rows], name)
-            start += rows
-    else:
-        layer.load_tensor("weight", w, None)
-    if bias is not None:
-        layer.load_tensor("bias", bias, None)
-    layer.prepare(kernel)
+    load_float_weight(layer, w, bias).prepare(kernel)
     return layer
 
 
