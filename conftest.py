@@ -116,75 +116,13 @@ def single_torch_thread():
 
 
 # ---- engine serve (tests/test_server*.py) ---------------------------------------------------
-# A real `engine serve` subprocess on 127.0.0.1 and a free port; every wait is bounded.
-class ServerProcess:
-    def __init__(self, args: list[str], log_path, api_key: str | None):
-        import os
-        import socket
-        import subprocess
-        import sys
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        self.log_path = log_path
-        engine = os.path.join(os.path.dirname(sys.executable), "engine")
-        cmd = [engine, "serve", "--port", str(self.port), *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        # one torch thread: tiny models gain nothing from more on a shared 2-core machine
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def wait_ready(self, timeout: float = 90.0) -> "ServerProcess":
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-
 @pytest.fixture(scope="session")
 def start_server(tiny_model_factory, tmp_path_factory):
     """``start(*flags, api_key=None, default_model=False) -> ServerProcess`` (ready), serving the
     tiny llama (or, with ``default_model``, no --model: SmolLM2) with a small KV pool; every
     server still running at the end of the session is stopped."""
+    from engine.testing import ServerProcess
+
     started = []
 
     def start(*flags: str, api_key: str | None = None,
@@ -192,7 +130,8 @@ def start_server(tiny_model_factory, tmp_path_factory):
         log = tmp_path_factory.mktemp("server") / "server.log"
         model = [] if default_model else ["--model", tiny_model_factory("llama")]
         args = [*model, "--max-total-tokens", "4096", *flags]
-        server = ServerProcess(args, log, api_key)
+        # one torch thread: tiny models gain nothing from more on a shared 2-core machine
+        server = ServerProcess(args, log, api_key, env={"OMP_NUM_THREADS": "1"})
         started.append(server)
         return server.wait_ready()
 

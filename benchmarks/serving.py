@@ -20,15 +20,14 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from engine.testing import ServerProcess
 
 
 @dataclass
@@ -153,51 +152,6 @@ def print_summary(s: dict) -> None:
         print(f"   {name:4s} ms  p50 {p[50]:8.1f}  p90 {p[90]:8.1f}  p99 {p[99]:8.1f}")
 
 
-class EngineServer:
-    """`engine serve` on a free port of 127.0.0.1, stopped with SIGTERM."""
-
-    def __init__(self, flags: list[str], timeout: float = 600.0):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        engine = os.path.join(os.path.dirname(sys.executable), "engine")
-        self.proc = subprocess.Popen([engine, "serve", "--port", str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"engine serve exited with {self.proc.returncode}:\n"
-                                 f"{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise SystemExit(f"engine serve was not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-n:]
-
-    def model_name(self) -> str:
-        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="measure this OpenAI-compatible server instead of starting "
@@ -226,7 +180,12 @@ def main(argv=None):
         url = args.url.rstrip("/")
     else:
         flags = (["--model", args.model] if args.model else []) + args.serve_flags
-        server = EngineServer(flags)
+        log = tempfile.NamedTemporaryFile(suffix=".log", delete=False).name
+        server = ServerProcess(flags, log)
+        try:
+            server.wait_ready(timeout=600)
+        except RuntimeError as e:
+            raise SystemExit(f"engine serve: {e}") from None
         url = server.url
     try:
         model = args.served_model or httpx.get(f"{url}/v1/models", timeout=10).json()[
@@ -238,7 +197,7 @@ def main(argv=None):
                                              args.concurrency, args.timeout))
     finally:
         if server is not None:
-            server.stop()
+            server.stop(timeout=60)
     s = summarize(label, results, wall, args.output_len)
     print_summary(s)
     if args.json:
