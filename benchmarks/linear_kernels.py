@@ -10,11 +10,11 @@ from memory as they do in a real step (random weights of the model's shapes). Pa
   activations; its LM head stays float32 (oneDNN), as the engine runs it;
 - ``fp16 weights``: fbgemm's fp16-weight GEMM (``linear_dynamic_fp16``: weights stored in
   float16, converted on the fly, float32 arithmetic; llama.cpp's approach for F16 GGUFs), LM head
-  included. Not an engine path: a reference for what halving the weight bytes buys.
+  included: the engine's path with ``--dtype float16`` on a CPU.
 
 Prints milliseconds per step, GFLOP/s and the speed-up over ``F.linear``.
 
-    python benchmarks/linear_kernels.py [--model default] [--batch-sizes 1,16,64,256]
+    python benchmarks/linear_kernels.py [--model default] [--batch-sizes 1,16,64,256] [--no-head]
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def step_ms(layers, head, fn, m: int, hidden: int, reps: int) -> float:
     def once():
         for w, i in layers:
             fn(inputs[i], w)
-        fn(inputs[hidden], head)
+        if head is not None:
+            fn(inputs[hidden], head)
 
     once()
     best = float("inf")
@@ -100,6 +101,9 @@ def main():
     ap.add_argument("--batch-sizes", default="1,16,64,256")
     ap.add_argument("--reps", type=int, default=5, help="best of this many steps")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--no-head", action="store_true",
+                    help="the decoder layers only, as a prompt chunk runs them (its LM head "
+                         "runs for the last token alone)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     c = model_config(resolve(args.model, lambda: None))
@@ -110,9 +114,10 @@ def main():
         with_int8 = False
     paths = build_paths(c, with_int8)
     params = sum(o * i for o, i in layer_shapes(c)) * c.num_layers \
-        + c.vocab_size * c.hidden_size
-    print(f"{c.num_layers} layers x {layer_shapes(c)} (out, in) + LM head "
-          f"{c.vocab_size} x {c.hidden_size}: {params / 1e6:.1f}M weights, "
+        + (0 if args.no_head else c.vocab_size * c.hidden_size)
+    head = "no LM head" if args.no_head else f"LM head {c.vocab_size} x {c.hidden_size}"
+    print(f"{c.num_layers} layers x {layer_shapes(c)} (out, in) + {head}: "
+          f"{params / 1e6:.1f}M weights, "
           f"{args.threads} threads; ms per step (GFLOP/s), speed-up over F.linear")
     if not with_int8:
         print("(engine-quant-int8 is not installed: no fbgemm int8 column)")
@@ -120,7 +125,7 @@ def main():
     for m in [int(b) for b in args.batch_sizes.split(",")]:
         cells, base = [], None
         for layers, head, fn in paths.values():
-            ms = step_ms(layers, head, fn, m, c.hidden_size, args.reps)
+            ms = step_ms(layers, None if args.no_head else head, fn, m, c.hidden_size, args.reps)
             base = base or ms
             cells.append(f"{ms:8.1f} ({2 * m * params / ms / 1e6:5.1f}) {base / ms:5.2f}x")
         print(f"{m:>6} " + " ".join(f"{cell:>24}" for cell in cells))

@@ -55,17 +55,15 @@ def make_runner(path, registries, device, **kw):
     return runner
 
 
-# the linear paths: oneDNN-prepacked weights (the CPU default), plain F.linear, and the decoder
-# compiled by torch.compile around the prepacked linears (every forward of these tests fits its
-# 256 tokens)
+# the linear paths: oneDNN-prepacked weights (the CPU default) and plain F.linear; the decoder
+# compiled by torch.compile around the prepacked linears has its own test
 LINEAR_PATHS = ["prepacked", "plain"]
 
 
 def runner_on_path(path, registries, device, linear_path, monkeypatch):
     if linear_path == "plain":
         monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")
-    runner = make_runner(path, registries, device,
-                         compile_max_tokens=256 if linear_path == "compiled" else None)
+    runner = make_runner(path, registries, device)
     packed = [m.packed for m in runner.model.modules() if hasattr(m, "packed")]
     assert all(packed) == (linear_path != "plain") and any(packed) == all(packed)
     return runner
@@ -105,19 +103,79 @@ def test_greedy_matches_hf_generate(tiny_model_dir, registries, cpu_device, line
     assert runner.kv_pool.free_slots == runner.kv_pool.size
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
-def test_compiled_decoder_matches_hf(tiny_model_dir, registries, cpu_device, monkeypatch):
+def test_compiled_decoder_matches_hf(tiny_model_dir, registries, cpu_device, dtype):
     """--enable-torch-compile: prefill and decode through the compiled decoder (one graph for
-    every token count: no recompiles), logits and greedy tokens as HF's."""
-    hf = hf_model(tiny_model_dir)
+    every token count: no recompiles), logits and greedy tokens as HF's; with --dtype float16
+    the packed float16 linears run inside the graph, as HF on the rounded weights."""
+    hf = (hf_model if dtype == "float32" else hf_with_half_weights)(tiny_model_dir)
     prompts = encode(tiny_model_dir)
-    runner = runner_on_path(tiny_model_dir, registries, cpu_device, "compiled", monkeypatch)
+    runner = make_runner(tiny_model_dir, registries, cpu_device, dtype=dtype,
+                         compile_max_tokens=256)
+    assert all(m.packed for m in runner.model.modules() if hasattr(m, "packed"))
     compare_prompt_logits(runner, hf, prompts, LOGIT_TOL)
     ours = greedy_generate(runner, prompts, 16)  # batches of 4, then 3, 2, 1 rows (padded)
     for p, out in zip(prompts, ours):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)
         assert out == ref[0, len(p):].tolist()
     assert runner.compiled.calls["eager"] == 0 and runner.compiled.calls["compiled"] > 16
+
+
+def hf_with_half_weights(path):
+    """HF in float32 with every linear weight (the LM head too) rounded to float16: what
+    ``--dtype float16`` computes on a CPU. A new Parameter unties a tied head, whose embedding
+    the engine also keeps in float32."""
+    model = hf_model(path)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().half().float(),
+                                               requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("tiny_model_dir", list(TINY_CASES), indirect=True)
+def test_half_weights_on_cpu_match_hf_on_the_rounded_weights(tiny_model_dir, registries,
+                                                             cpu_device):
+    """--dtype float16 on a CPU: float16 linear weights (fbgemm's fp16 GEMM), float32 arithmetic,
+    float32 activations and KV cache. Equal, within float32 rounding, to HF run in float32 on the
+    float16-rounded weights; greedy tokens equal too."""
+    runner = make_runner(tiny_model_dir, registries, cpu_device, dtype="float16")
+    assert runner.dtype == torch.float32 and runner.kv_pool.dtype == torch.float32
+    assert "float16 linear weights" in runner.dtype_reason
+    packed = [m for m in runner.model.modules() if hasattr(m, "packed")]
+    assert packed and all(m.packed and m.packed_kind == "fp16" for m in packed)
+    assert "float16 weights packed for fbgemm's fp16 GEMM" in runner.linear_kernel
+    f32 = make_runner(tiny_model_dir, registries, cpu_device)
+    # every packed weight in half its float32 bytes (a tied head's copy beside the embedding too)
+    halved = sum(m.opaque_bytes for m in packed)
+    assert halved and f32.weight_bytes - runner.weight_bytes == halved
+    hf = hf_with_half_weights(tiny_model_dir)
+    prompts = encode(tiny_model_dir)
+    compare_prompt_logits(runner, hf, prompts, LOGIT_TOL)
+    ours = greedy_generate(runner, prompts, 24)
+    for p, out in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=2)
+        assert out == ref[0, len(p):].tolist()
+
+
+def test_half_weights_refused_where_they_cannot_run(monkeypatch):
+    from engine.device import DeviceInfo
+    from engine.models.dtype import cpu_half_weights, resolve_dtype
+
+    cpu = DeviceInfo("cpu", "CPU", native_bf16=False)
+    gpu = DeviceInfo("cuda", "H100", (9, 0), native_bf16=True)
+    assert resolve_dtype("half", None, cpu)[0] == torch.float32 and cpu_half_weights("half", cpu)
+    assert resolve_dtype("float16", None, gpu)[0] == torch.float16
+    assert not cpu_half_weights("float16", gpu) and not cpu_half_weights("auto", cpu)
+    # a float16 checkpoint on auto stays float32 on a CPU: float16 weights are opted into
+    assert resolve_dtype("auto", "float16", cpu)[0] == torch.float32
+    assert not cpu_half_weights("float32", cpu)
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")
+    with pytest.raises(EngineError, match="--dtype float16 on a CPU stores the linear weights in "
+                                          "float16 .*ENGINE_LINEAR_KERNEL=plain.*Use --dtype "
+                                          "float32"):
+        resolve_dtype("float16", None, cpu)
 
 
 def test_bf16_stays_close_to_float32(tiny_model_dir, registries, cpu_device):

@@ -94,7 +94,10 @@ ENGINE_OPTIONS = [
     click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
                  help="Tokenizer directory.  [default: the model's; a GGUF's own]"),
     click.option("--dtype", default=_D.dtype,
-                 type=click.Choice(["auto", "float32", "bfloat16", "float16"])),
+                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                 help="Weights and activations. auto: the checkpoint's dtype on GPUs and CPUs "
+                      "with native bf16, float32 on other CPUs. float16 on a CPU: float16 linear "
+                      "weights, float32 arithmetic (fbgemm's fp16 GEMM; half the weight bytes)."),
     click.option("--device", default=_D.device, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--attention-backend", default=_D.attention_backend,
                  type=RegistryChoice("attention", ("auto",))),

@@ -14,7 +14,7 @@ from engine.layers.linear import prepack_linears
 from engine.memory.kv_pool import KVPool
 from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
-from engine.models.dtype import resolve_dtype
+from engine.models.dtype import cpu_half_weights, resolve_dtype
 from engine.models.loader import load_model, weight_bytes
 from engine.registry import EngineError
 
@@ -39,13 +39,16 @@ class ModelRunner:
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
         self.model_config = ModelConfig.from_checkpoint(ckpt, registries.models)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
+        half_weights = cpu_half_weights(dtype, device)
         model_cls = resolve_model_class(registries, self.model_config.architecture)
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method)
         self.compiled = None
-        # oneDNN-prepacked float32 weights on CPU, F.linear elsewhere: the log line says which
-        # (a compiled graph calls the prepacked linears as opaque ops, see compile.py)
-        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype)
+        # oneDNN-prepacked float32 weights on CPU (float16 ones for fbgemm with --dtype float16),
+        # F.linear elsewhere: the log line says which (a compiled graph calls the packed linears
+        # as opaque ops, see compile.py)
+        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype,
+                                             half_weights)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 

@@ -25,6 +25,12 @@ from torch import nn
 PREPACK_BATCH_HINT = 64
 LINEAR_KERNEL_ENV = "ENGINE_LINEAR_KERNEL"  # "plain": keep F.linear (for comparisons)
 
+KERNEL_LOG = {
+    "onednn": "float32 weights prepacked for oneDNN (torch.ops.mkldnn._linear_pointwise)",
+    "fp16": "float16 weights packed for fbgemm's fp16 GEMM, float32 activations and "
+            "accumulation (torch.ops.quantized.linear_dynamic_fp16)",
+}
+
 
 def prepack_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when oneDNN prepacked linears run here, else why not."""
@@ -39,47 +45,79 @@ def prepack_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def half_weight_reason(device: torch.device) -> str | None:
+    """None when float16 linear weights with float32 arithmetic (fbgemm) run here, else why not."""
+    if os.environ.get(LINEAR_KERNEL_ENV, "auto") == "plain":
+        return f"{LINEAR_KERNEL_ENV}=plain asks for plain float32 F.linear"
+    if device.type != "cpu":
+        return f"it is a CPU path ({device.type} computes in float16 itself)"
+    engines = torch.backends.quantized.supported_engines
+    if "fbgemm" not in engines and "x86" not in engines:
+        return (f"this torch build has no fbgemm (torch.backends.quantized.supported_engines = "
+                f"{engines})")
+    return None
+
+
 class PrepackedWeight:
-    """Mixin: a module whose ``weight`` [out, in] can be reordered once for oneDNN.
+    """Mixin: a module whose ``weight`` [out, in] can be packed once for a faster CPU kernel:
+    ``"onednn"`` (float32, reordered for oneDNN) or ``"fp16"`` (float16 for fbgemm's GEMM,
+    which converts it on the fly and computes in float32).
 
     With ``keep_plain`` (a head tied to the embedding, which still reads the plain weight) the
-    packed copy is kept beside it; otherwise it replaces it (same bytes, no second copy)."""
+    packed copy is kept beside it; otherwise it replaces it (no second copy)."""
 
     packed = False
+    packed_kind = ""  # "onednn" or "fp16" once packed
     tied = False  # the weight is shared (a head tied to the embedding): keep it beside the copy
     packed_id = -1  # index in PACKED, how the compiled graph's custom op finds the weight
+    opaque_bytes = 0  # bytes of a packed weight that is no tensor (fbgemm's), for weight_bytes
 
-    def prepack(self, keep_plain: bool = False) -> None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                         PREPACK_BATCH_HINT)
+    def prepack(self, kind: str = "onednn", keep_plain: bool = False) -> None:
+        weight = self.weight.detach()
+        self.out_features = weight.shape[0]
         self.packed_id = len(PACKED)
         PACKED.append(weakref.ref(self))
-        if keep_plain:
-            self.register_buffer("packed_weight", packed, persistent=False)
+        if kind == "fp16":  # an opaque fbgemm object, not a tensor: an attribute, not a buffer
+            self.packed_weight = torch.ops.quantized.linear_prepack_fp16(weight, None)
+            self.opaque_bytes = weight.numel() * 2
+            if not keep_plain:
+                del self.weight
+        elif kind == "onednn":
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_BATCH_HINT)
+            if keep_plain:
+                self.register_buffer("packed_weight", packed, persistent=False)
+            else:
+                del self.weight
+                self.register_buffer("weight", packed)
+                self.packed_weight = self.weight
         else:
-            del self.weight
-            self.register_buffer("weight", packed)
-            self.packed_weight = self.weight
-        self.packed = True
+            raise ValueError(f"unknown linear kernel {kind!r}")
+        self.packed, self.packed_kind = True, kind
+
+    def packed_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_kind == "fp16":
+            y = torch.ops.quantized.linear_dynamic_fp16(x, self.packed_weight)
+            return y if bias is None else y.add_(bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed:
             if torch.compiler.is_compiling():
-                return prepacked_linear(x, self.packed_id, bias, self.packed_weight.shape[0])
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+                return prepacked_linear(x, self.packed_id, bias, self.out_features)
+            return self.packed_linear(x, bias)
         return F.linear(x, self.weight, bias)
 
 
-# every prepacked module of the process (weakly), by packed_id: an opaque oneDNN tensor cannot
-# enter a traced graph, so the compiled graph calls prepacked_linear with the index instead
+# every prepacked module of the process (weakly), by packed_id: a packed weight (an opaque
+# oneDNN tensor, an fbgemm object) cannot enter a traced graph, so the compiled graph calls
+# prepacked_linear with the index instead
 PACKED: list[weakref.ref] = []
 
 
 @torch.library.custom_op("engine::prepacked_linear", mutates_args=())
 def prepacked_linear(x: torch.Tensor, packed_id: int, bias: torch.Tensor | None,
                      out_features: int) -> torch.Tensor:
-    weight = PACKED[packed_id]().packed_weight
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return PACKED[packed_id]().packed_linear(x, bias)
 
 
 @prepacked_linear.register_fake
@@ -87,19 +125,25 @@ def _(x, packed_id, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """Prepack every plain linear weight of ``model`` when oneDNN runs here; returns the log line
-    that says which kernel the linear layers use."""
-    reason = prepack_reason(torch.device(device), dtype)
-    if reason is not None:
-        return f"linear layers: F.linear ({reason})"
+def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                    half_weights: bool = False) -> str:
+    """Pack every plain linear weight of ``model`` for the CPU kernel that runs here: float16
+    for fbgemm with ``half_weights`` (``--dtype float16`` on a CPU; the caller checked
+    ``half_weight_reason``), else float32 for oneDNN where it runs. Returns the log line that
+    says which kernel the linear layers use."""
+    if half_weights:
+        kind = "fp16"
+    else:
+        reason = prepack_reason(torch.device(device), dtype)
+        if reason is not None:
+            return f"linear layers: F.linear ({reason})"
+        kind = "onednn"
     n = 0
     for module in model.modules():
         if isinstance(module, PrepackedWeight) and not module.packed:
-            module.prepack(keep_plain=module.tied)
+            module.prepack(kind, keep_plain=module.tied)
             n += 1
-    return (f"linear layers: {n} float32 weights prepacked for oneDNN "
-            f"(torch.ops.mkldnn._linear_pointwise)")
+    return f"linear layers: {n} {KERNEL_LOG[kind]}"
 
 
 class Linear(PrepackedWeight, nn.Module):

@@ -1,4 +1,9 @@
-"""Which dtype the weights and activations run in (``--dtype``)."""
+"""Which dtype the weights and activations run in (``--dtype``).
+
+On a CPU ``--dtype float16`` keeps the linear layers' weights in float16 and computes in float32
+(fbgemm's fp16 GEMM converts them on the fly; the rest of the model, activations and the KV cache
+are float32): what llama.cpp does with an F16 GGUF. CPUs have no fast float16 arithmetic, and
+at decode batch sizes the linears are bound by reading their weights, which this halves."""
 
 from __future__ import annotations
 
@@ -18,6 +23,21 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cpu_half_weights(requested: str, device) -> bool:
+    """True when ``--dtype requested`` on ``device`` means float16 linear weights with float32
+    arithmetic (a CPU); raises when this torch build cannot run that."""
+    if requested == "auto" or DTYPES.get(requested) != torch.float16 or device.is_cuda:
+        return False
+    from engine.layers.linear import half_weight_reason
+
+    reason = half_weight_reason(torch.device(device.torch_device))
+    if reason is not None:
+        raise EngineError(f"--dtype {requested} on a CPU stores the linear weights in float16 for "
+                          f"fbgemm's fp16 GEMM, which cannot run here: {reason}. Use --dtype "
+                          f"float32.")
+    return True
+
+
 def resolve_dtype(requested: str, hf_config_dtype, device) -> tuple[torch.dtype, str]:
     """``requested``: auto|float32|bfloat16|float16; ``hf_config_dtype``: the checkpoint's
     dtype (a name like "bfloat16", a torch.dtype, or None). Returns (dtype, reason)."""
@@ -25,6 +45,10 @@ def resolve_dtype(requested: str, hf_config_dtype, device) -> tuple[torch.dtype,
         if requested not in DTYPES:
             raise EngineError(f"Unknown --dtype '{requested}' (choose from {', '.join(CHOICES)}).")
         dtype = DTYPES[requested]
+        if cpu_half_weights(requested, device):
+            return torch.float32, (f"dtype float32 arithmetic with float16 linear weights "
+                                   f"(--dtype {requested} on a CPU, which has no fast float16 "
+                                   f"arithmetic)")
         return dtype, f"dtype {_name(dtype)} (forced by --dtype {requested})"
     if hf_config_dtype is None:
         # transformers loads a config without a dtype in float32, so we do too

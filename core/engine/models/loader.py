@@ -112,7 +112,8 @@ def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights as stored: quantized tensors count as such, oneDNN-packed ones too
-    (a packed copy of a tied head included)."""
+    """Bytes of the weights as stored: quantized tensors count as such, packed ones too (a
+    packed copy of a tied head included; fbgemm's float16 packs are objects, not tensors)."""
     packed = [b for b in model.buffers() if b.is_mkldnn]  # never parameters: prepack swaps them
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])
+    opaque = sum(getattr(m, "opaque_bytes", 0) for m in model.modules())
+    return opaque + sum(t.numel() * t.element_size() for t in [*model.parameters(), *packed])

@@ -11,7 +11,7 @@ weights with one scale per output row, activations quantized per token (row of x
   other tokens of the batch. The output is multiplied back by each token's maximum. AVX2's
   16-bit multiply-add pairs would saturate with full-range weights, so weights quantized here
   use [-64, 64]; a checkpoint's full-range int8 weights run with fbgemm's ``reduce_range``
-  (7-bit activations) instead. Measured on SmolLM2 (benchmarks/int8_quality.py), 8-bit
+  (7-bit activations) instead. Measured on SmolLM2 (benchmarks/weight_quality.py), 8-bit
   activations with [-64, 64] weights lose less than 7-bit activations with [-127, 127] weights.
 - ``int_mm`` (CUDA; also runs on CPU, slowly, which is how it is tested here):
   ``torch._int_mm`` of int8 activations (``round(x / s_x)``, ``s_x = max|row| / 127``) with the

@@ -220,13 +220,13 @@ def test_an_unknown_forced_kernel_is_refused(llama, monkeypatch):
 
 
 # SmolLM2-135M-Instruct over quality.TEXT (330 tokens), measured with
-# benchmarks/int8_quality.py: float32 perplexity 20.26, w8a8_int8 (fbgemm) 20.69 (+2.1%),
+# benchmarks/weight_quality.py: float32 perplexity 20.26, w8a8_int8 (fbgemm) 20.69 (+2.1%),
 # next-token top-1 agreement 0.872. The bounds leave room for other CPUs' rounding.
 MAX_PPL_INCREASE, MIN_SMOLLM2_AGREEMENT = 0.05, 0.82
 
 
 def test_quality_on_smollm2():
-    from engine_quant_int8.quality import TEXT, evaluate
+    from engine.quality import TEXT, evaluate
 
     reference = Engine(max_total_tokens=2048)
     ids = reference.tokenizer.encode(TEXT)

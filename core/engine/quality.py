@@ -1,6 +1,7 @@
-"""How much w8a8_int8 changes a model: perplexity on a fixed English text, next-token agreement
-with float32 over it, and greedy agreement on a few prompts (benchmarks/int8_quality.py prints
-them; the plugin's tests bound them on SmolLM2)."""
+"""How much a cheaper weight format (``--dtype float16`` on a CPU, ``--quantization w8a8_int8``)
+changes a model: perplexity on a fixed English text, next-token agreement with float32 over it,
+and greedy agreement on a few prompts (benchmarks/weight_quality.py prints them; tests bound
+them on SmolLM2)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,79 @@
+"""Quality of the cheaper weight formats against float32, measured on a fixed English text.
+
+Prints, for float32 and each variant: perplexity of the text (teacher-forced, one prefill),
+top-1 agreement of the next-token predictions with float32 over it, and how many greedy tokens
+each of a few chat-free prompts keeps equal to float32 before the first difference. Variants:
+``--dtype float16`` (float16 linear weights, float32 arithmetic, on a CPU), and
+``--quantization w8a8_int8`` per int8 kernel, alone and with ``--dtype float16`` (its LM head in
+float16; needs the engine-quant-int8 plugin).
+
+    python benchmarks/weight_quality.py [--model default|PATH] [--kernels fbgemm,int_mm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_models  # noqa: E402
+from engine.quality import GREEDY_TOKENS, PROMPTS, TEXT, common_prefix, evaluate, greedy  # noqa: E402,E501
+
+
+def variants(kernels: list[str]) -> list[tuple[str, dict, dict]]:
+    """(label, Engine kwargs, environment) of each variant."""
+    out = [("--dtype float16", {"dtype": "float16"}, {})]
+    try:
+        import engine_quant_int8  # noqa: F401
+    except ImportError:
+        print("(engine-quant-int8 is not installed: no w8a8_int8 rows)")
+        return out
+    for kernel in kernels:
+        env = {"ENGINE_INT8_KERNEL": kernel}
+        out.append((f"w8a8_int8 ({kernel})", {"quantization": "w8a8_int8"}, env))
+    out.append(("w8a8_int8 + --dtype float16", {"quantization": "w8a8_int8", "dtype": "float16"},
+                {"ENGINE_INT8_KERNEL": "fbgemm"}))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default",
+                    help="'default' (SmolLM2-135M-Instruct) or a path")
+    ap.add_argument("--kernels", default="fbgemm,int_mm",
+                    help="int8 kernels to compare (ENGINE_INT8_KERNEL values)")
+    args = ap.parse_args()
+    from engine import Engine
+
+    path = bench_models.resolve(args.model, lambda: None)
+    torch.set_num_threads(os.cpu_count() or 1)
+    ref = Engine(path, max_total_tokens=4096)
+    ids = ref.tokenizer.encode(TEXT)
+    ref_logits, ref_ppl = evaluate(ref, ids)
+    ref_greedy = greedy(ref)
+    del ref
+    print(f"{bench_models.name(args.model, path)}; text of {len(ids)} tokens, "
+          f"{len(PROMPTS)} prompts x {GREEDY_TOKENS} greedy tokens")
+    print(f"{'':30s} {'perplexity':>10s} {'d ppl':>8s} {'top-1 agree':>11s} "
+          f"{'greedy tokens equal (per prompt)':>34s}")
+    print(f"{'float32':30s} {ref_ppl:10.3f} {0:8.3f} {1:11.3f}")
+    rows = {}
+    for label, kwargs, env in variants(args.kernels.split(",")):
+        os.environ.update(env)
+        eng = Engine(path, max_total_tokens=4096, **kwargs)
+        logits, ppl = evaluate(eng, ids)
+        agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        prefix = [common_prefix(a, b) for a, b in zip(greedy(eng), ref_greedy)]
+        rows[label] = (ppl, agree, prefix)
+        print(f"{label:30s} {ppl:10.3f} {ppl - ref_ppl:8.3f} {agree:11.3f} {str(prefix):>34s}")
+        del eng
+        for key in env:
+            os.environ.pop(key, None)
+    return ref_ppl, rows
+
+
+if __name__ == "__main__":
+    main()
