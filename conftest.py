@@ -3,7 +3,15 @@ fixtures build tiny random-init HF checkpoints, once per session."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Without a GPU, Triton kernels (the triton attention backend's) run under Triton's interpreter.
+# Its jit reads this when a kernel (or triton.language's own helpers) is defined, so it is set
+# before anything imports triton (torch.compile's inductor does).
+if os.environ.get("TRITON_INTERPRET") is None and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

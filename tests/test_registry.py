@@ -1,5 +1,7 @@
 """Name resolution and the wording of its errors."""
 
+import re
+
 import pytest
 
 from engine.device import DeviceInfo
@@ -49,7 +51,8 @@ def test_unavailable_backend_says_why(regs):
     msg = str(err.value)
     assert msg.startswith("'flashinfer' (engine-attention-flashinfer 0.1.0) is installed but "
                           "unusable here: needs an NVIDIA GPU with compute capability >= 8.0")
-    assert "Usable: cpu, torch_native." in msg
+    # triton too where Triton's interpreter is on (TRITON_INTERPRET=1, as the tests set it)
+    assert re.search(r"Usable: cpu, torch_native(, triton)?\.$", msg), msg
 
 
 def test_fa3_on_hopper_without_kernels_names_the_extra(regs):
@@ -104,9 +107,35 @@ def test_auto_on_cpu_with_the_core_alone_picks_torch_native(core_only):
 
 
 def test_auto_on_hopper_without_kernels_is_not_a_silent_fallback_to_fa3(regs):
-    # fa3 is unusable (no sgl-kernel), so auto takes the next usable one and says so by name
+    # fa3 and flashinfer are unusable (no sgl-kernel, no flashinfer), so auto takes the next
+    # usable one by priority and says so by name: triton where it is installed
+    import importlib.util
+
     entry = resolve_attention_backend(regs[0], "auto", H100, pm=regs[1])
-    assert entry.name == "torch_native"
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert entry.name == ("triton" if has_triton else "torch_native")
+
+
+def test_auto_on_a_gpu_orders_the_other_backends_by_priority(monkeypatch):
+    """After the guide's pick for the architecture (none usable here), the registered
+    priorities order the candidates; torch_native (priority 0) comes last."""
+    class Backends:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("low", lambda ctx: None, priority=3)
+            register("high", lambda ctx: None, priority=9)
+            register("broken", lambda ctx: None, priority=50, check=lambda d: "needs magic")
+            register("fp16_only", lambda ctx: None, priority=40, kv_dtypes=("fp16",))
+
+    pm, infos = new_plugin_manager(), {}
+    register_builtins(pm, infos)
+    pm.register(Backends(), name="backends")
+    regs = build_registries(pm, infos)
+    monkeypatch.setattr("engine.plugins.get_registries", lambda: regs)  # what the hook reads
+    assert resolve_attention_backend(regs, "auto", H100, pm=pm).name == "high"
+    assert resolve_attention_backend(regs, "auto", H100, "fp16", pm=pm).name == "fp16_only"
+    # on a CPU the core's answer stays torch_native
+    assert resolve_attention_backend(regs, "auto", CPU, pm=pm).name == "torch_native"
 
 
 def test_policy_resolution(regs, core_only):

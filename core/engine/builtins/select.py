@@ -14,8 +14,12 @@ def select_attention_backend(device, model_config, kv_dtype):
     registries = get_registries()
     regs = registries.attention
     major = device.capability[0] if device.capability else None
-    preferred = [*PREFERENCE.get(major, ()), "torch_native"]
-    ranked = preferred + [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]
+    by_priority = [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]
+    # on a GPU: the guide's pick for the architecture, then every backend by its registered
+    # priority (torch_native, at 0, last); on a CPU torch_native, unless a plugin's own
+    # select_attention_backend answered first
+    preferred = [*PREFERENCE.get(major, ())] if device.is_cuda else ["torch_native"]
+    ranked = preferred + by_priority
     for name in ranked:
         if name not in regs:
             continue

@@ -1,0 +1,143 @@
+"""Attention backend 'triton': its kernel against torch_native on the same pool and metadata
+(random batches mixing prompts, extends over a cached prefix and decodes; page sizes 1 and 16;
+GQA/MHA/MQA; sliding windows; float32, float16 and fp8 pools with scales), run on the CPU under
+Triton's interpreter; greedy decoding of a tiny model against HF; how it is picked and refused.
+On a CUDA machine the same tests run on the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs the triton package (pip install triton)", allow_module_level=True)
+GPU = torch.cuda.is_available()
+if not GPU:  # before triton is imported: its jit (tl.zeros too) reads it when decorating
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
+from engine.device import DeviceInfo  # noqa: E402
+from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.interfaces import AttentionLayerSpec, BackendContext  # noqa: E402
+from engine.memory.kv_pool import KVPool  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.testing import free_requests, greedy_generate  # noqa: E402
+from engine_attention_triton import check  # noqa: E402
+from engine_attention_triton.backend import TritonBackend  # noqa: E402
+
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def make_pair(specs, kvh, d, dtype=torch.float32, page_size=1, size=1024):
+    pool = KVPool(len(specs), kvh, d, size, dtype, device=DEVICE, page_size=page_size,
+                  max_reqs=8, max_context_len=512, needs_scale=dtype.itemsize == 1)
+    ctx = BackendContext(pool, specs, DEVICE, torch.float32)
+    return pool, TritonBackend(ctx), TorchNativeBackend(ctx)
+
+
+def step(pool, backends, rows, lens, new_lens, specs, gen, tol, q_dtype=torch.float32):
+    locs = [pool.extend_slots(r, n, e) for r, n, e in zip(rows, lens, new_lens)]
+    batch = ForwardBatch.build([[0] * e for e in new_lens], lens, rows, torch.cat(locs),
+                               pool.req_to_token, device=DEVICE)
+    for b in backends:
+        b.init_forward_metadata(batch)
+    for layer, spec in enumerate(specs):
+        T = batch.num_tokens
+        q, k, v = (torch.randn(T, n, spec.head_dim, generator=gen).to(DEVICE, q_dtype)
+                   for n in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+        ours, ref = (b.forward(q, k, v, layer, batch) for b in backends)
+        assert ours.dtype == q.dtype and ours.shape == q.shape
+        torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+    return batch
+
+
+def scattered(pool, page_size):
+    """A filler request whose every other page is freed, so the next requests interleave."""
+    filler = pool.alloc_req()
+    pages = pool.slots_to_pages(pool.extend_slots(filler, 0, 24 * page_size))
+    pool.free_pages(pages[::2])
+    return filler, pages
+
+
+def run_mixed_steps(pool, backends, specs, gen, tol, q_dtype=torch.float32):
+    rows = [pool.alloc_req() for _ in range(5)]
+    new = [9, 1, 70, 4, 33]  # prompts: one over two key blocks, one of a single token
+    batch = step(pool, backends, rows, [0] * 5, new, specs, gen, tol, q_dtype)
+    assert batch.mode == ForwardMode.EXTEND
+    lens = new
+    for _ in range(2):  # decodes, past the window
+        batch = step(pool, backends, rows, lens, [1] * 5, specs, gen, tol, q_dtype)
+        lens = [n + 1 for n in lens]
+    assert batch.mode == ForwardMode.DECODE
+    more = [1, 6, 1, 40, 12]  # extends over cached prefixes beside decodes
+    batch = step(pool, backends, rows, lens, more, specs, gen, tol, q_dtype)
+    assert batch.mode == ForwardMode.MIXED
+    lens = [n + e for n, e in zip(lens, more)]
+    free_requests(pool, rows, lens)
+
+
+# (heads, kv heads, head dim): GQA, MHA, MQA (a group wider than a block of rows), odd dim
+SHAPES = [(4, 2, 16), (2, 2, 32), (40, 1, 16), (3, 1, 24)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matches_torch_native_in_every_mode(shape, page_size):
+    H, KVH, D = shape
+    specs = [AttentionLayerSpec(H, KVH, D, D ** -0.5), AttentionLayerSpec(H, KVH, D, 0.3, 5)]
+    pool, triton_backend, native = make_pair(specs, KVH, D, page_size=page_size)
+    gen = torch.Generator().manual_seed(0)
+    filler, pages = scattered(pool, page_size)
+    run_mixed_steps(pool, (triton_backend, native), specs, gen, 1e-5)
+    pool.free_pages(pages[1::2])
+    pool.free_req(filler)
+    assert pool.free_slots == pool.size
+
+
+def test_float16_queries_and_pool():
+    specs = [AttentionLayerSpec(4, 2, 32, 32 ** -0.5)]
+    pool, triton_backend, native = make_pair(specs, 2, 32, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    # both read the same float16 K/V; float32 softmax and sums here, SDPA's own in float16
+    run_mixed_steps(pool, (triton_backend, native), specs, gen, 2e-3, torch.float16)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pool_with_per_layer_scales(kv_dtype):
+    specs = [AttentionLayerSpec(4, 2, 16, 0.25), AttentionLayerSpec(4, 2, 16, 0.25, 7)]
+    pool, triton_backend, native = make_pair(specs, 2, 16, dtype=kv_dtype, page_size=16)
+    pool.k_scale[:] = [0.5, 0.25]  # stored = real / scale, as the fp8 KV dtypes set them
+    pool.v_scale[:] = [2.0, 0.125]
+    gen = torch.Generator().manual_seed(2)
+    # torch_native dequantizes the same stored bytes: equal up to float32 rounding
+    run_mixed_steps(pool, (triton_backend, native), specs, gen, 1e-5)
+
+
+def test_greedy_matches_hf_generate(tiny_model_factory, registries):
+    import transformers
+
+    path = tiny_model_factory("qwen2_bias_window")  # GQA, biases, a sliding-window layer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [tok(t).input_ids for t in ("Now is better than never.", "Flat is better")]
+    device = DeviceInfo("cuda", "GPU", (9, 0)) if GPU else DeviceInfo("cpu", "CPU")
+    runner = ModelRunner(path, registries=registries, device=device, dtype="float32",
+                         attention_factory=TritonBackend)
+    runner.init_kv_pool(1024, page_size=16)
+    ours = greedy_generate(runner, prompts, 12)
+    for p, out in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=2)
+        assert out == ref[0, len(p):].tolist()
+
+
+def test_refused_on_a_cpu_without_the_interpreter(monkeypatch):
+    cpu = DeviceInfo("cpu", "CPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "needs a CUDA GPU" in check(cpu) and "TRITON_INTERPRET=1" in check(cpu)
+    assert check(DeviceInfo("cuda", "H100", (9, 0))) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert check(cpu) is None
