@@ -150,6 +150,31 @@ def free_requests(pool, rows: list[int], lens: list[int]) -> None:
         pool.free_req(r)
 
 
+def compare_backends_step(pool, backends, rows: list[int], lens: list[int],
+                          new_lens: list[int], specs, gen: torch.Generator, tol: float,
+                          device="cpu", q_dtype: torch.dtype = torch.float32):
+    """One step of attention backends side by side on one pool: requests ``rows`` (holding
+    ``lens`` tokens) each bring ``new_lens`` tokens; every layer gets the same random q/k/v
+    (``q_dtype``) and each backend's output must equal the last one's (the reference) within
+    ``tol``, in dtype and shape too. Returns the batch; the pool keeps the new tokens."""
+    from engine.forward_batch import ForwardBatch
+
+    locs = [pool.extend_slots(r, n, e) for r, n, e in zip(rows, lens, new_lens)]
+    batch = ForwardBatch.build([[0] * e for e in new_lens], lens, rows, torch.cat(locs),
+                               pool.req_to_token, device=device)
+    for b in backends:
+        b.init_forward_metadata(batch)
+    for layer, spec in enumerate(specs):
+        q, k, v = (torch.randn(batch.num_tokens, n, spec.head_dim, generator=gen)
+                   .to(device, q_dtype)
+                   for n in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+        *ours, ref = (b.forward(q, k, v, layer, batch) for b in backends)
+        for out in ours:
+            assert out.dtype == ref.dtype == q.dtype and out.shape == q.shape
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    return batch
+
+
 def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = False):
     """Logits of one EXTEND batch over ``prompts`` (at each last token, or at every token);
     frees what it allocated. Needs ``runner.init_kv_pool`` first."""

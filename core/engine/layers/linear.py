@@ -45,16 +45,21 @@ def prepack_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def fbgemm_available() -> bool:
+    """Whether this torch build has fbgemm's CPU kernels (its x86 engine includes them)."""
+    engines = torch.backends.quantized.supported_engines
+    return "fbgemm" in engines or "x86" in engines
+
+
 def half_weight_reason(device: torch.device) -> str | None:
     """None when float16 linear weights with float32 arithmetic (fbgemm) run here, else why not."""
     if os.environ.get(LINEAR_KERNEL_ENV, "auto") == "plain":
         return f"{LINEAR_KERNEL_ENV}=plain asks for plain float32 F.linear"
     if device.type != "cpu":
         return f"it is a CPU path ({device.type} computes in float16 itself)"
-    engines = torch.backends.quantized.supported_engines
-    if "fbgemm" not in engines and "x86" not in engines:
+    if not fbgemm_available():
         return (f"this torch build has no fbgemm (torch.backends.quantized.supported_engines = "
-                f"{engines})")
+                f"{torch.backends.quantized.supported_engines})")
     return None
 
 

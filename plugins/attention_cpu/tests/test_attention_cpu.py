@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from engine.attention.torch_native import TorchNativeBackend
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.interfaces import AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.registry import IncompatibleOptions, resolve_attention_backend
 from engine.runner import ModelRunner
 from engine.testing import TINY_CASES, free_requests, greedy_generate
+from engine.testing import compare_backends_step as step
 from engine_attention_cpu import check, kernel, select_attention_backend
 from engine_attention_cpu.backend import CPUBackend
 
@@ -24,21 +25,6 @@ def make_pair(specs, kvh, d, dtype=torch.float32, page_size=1, size=512):
                   max_context_len=256)
     ctx = BackendContext(pool, specs, "cpu", torch.float32)
     return pool, CPUBackend(ctx), TorchNativeBackend(ctx)
-
-
-def step(pool, backends, rows, lens, new_lens, specs, gen, tol):
-    locs = [pool.extend_slots(r, n, e) for r, n, e in zip(rows, lens, new_lens)]
-    batch = ForwardBatch.build([[0] * e for e in new_lens], lens, rows, torch.cat(locs),
-                               pool.req_to_token)
-    for b in backends:
-        b.init_forward_metadata(batch)
-    for layer, spec in enumerate(specs):
-        T = batch.num_tokens
-        q, k, v = (torch.randn(T, n, spec.head_dim, generator=gen)
-                   for n in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
-        ours, ref = (b.forward(q, k, v, layer, batch) for b in backends)
-        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
-    return batch
 
 
 # (heads, kv heads, head dim): GQA, MHA, MQA, a wide head

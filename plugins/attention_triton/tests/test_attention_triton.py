@@ -20,11 +20,11 @@ if not GPU:  # before triton is imported: its jit (tl.zeros too) reads it when d
 
 from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
 from engine.device import DeviceInfo  # noqa: E402
-from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.forward_batch import ForwardMode  # noqa: E402
 from engine.interfaces import AttentionLayerSpec, BackendContext  # noqa: E402
 from engine.memory.kv_pool import KVPool  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
-from engine.testing import free_requests, greedy_generate  # noqa: E402
+from engine.testing import compare_backends_step, free_requests, greedy_generate  # noqa: E402
 from engine_attention_triton import check  # noqa: E402
 from engine_attention_triton.backend import TritonBackend  # noqa: E402
 
@@ -39,19 +39,8 @@ def make_pair(specs, kvh, d, dtype=torch.float32, page_size=1, size=1024):
 
 
 def step(pool, backends, rows, lens, new_lens, specs, gen, tol, q_dtype=torch.float32):
-    locs = [pool.extend_slots(r, n, e) for r, n, e in zip(rows, lens, new_lens)]
-    batch = ForwardBatch.build([[0] * e for e in new_lens], lens, rows, torch.cat(locs),
-                               pool.req_to_token, device=DEVICE)
-    for b in backends:
-        b.init_forward_metadata(batch)
-    for layer, spec in enumerate(specs):
-        T = batch.num_tokens
-        q, k, v = (torch.randn(T, n, spec.head_dim, generator=gen).to(DEVICE, q_dtype)
-                   for n in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
-        ours, ref = (b.forward(q, k, v, layer, batch) for b in backends)
-        assert ours.dtype == q.dtype and ours.shape == q.shape
-        torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
-    return batch
+    return compare_backends_step(pool, backends, rows, lens, new_lens, specs, gen, tol,
+                                 DEVICE, q_dtype)
 
 
 def scattered(pool, page_size):

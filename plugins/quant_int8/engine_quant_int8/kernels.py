@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from engine.layers.linear import fbgemm_available  # noqa: F401  (kernels.fbgemm_available)
+
 MIN_SCALE = 1e-12  # an all-zero token quantizes to zeros instead of 0 / 0
 FENCE = torch.tensor([1.0, -1.0])
 INT_MM_MIN_ROWS = 17
@@ -39,11 +41,6 @@ def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch
     x = x.float()
     scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=MIN_SCALE)
     return (x / scale).round().clamp(-qmax, qmax).to(torch.int8), scale
-
-
-def fbgemm_available() -> bool:
-    engines = torch.backends.quantized.supported_engines
-    return "fbgemm" in engines or "x86" in engines
 
 
 def fbgemm_pack(weight: torch.Tensor, scale: torch.Tensor):
