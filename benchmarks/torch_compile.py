@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_models  # noqa: E402
 
 
-def decode_ms(engine, batch: int, steps: int, seed: int = 0) -> float:
+def decode_ms(engine, batch: int, steps: int, seed: int = 0, prompt_len: int = 64) -> float:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 30000) for _ in range(64)] for _ in range(batch)]
+    prompts = [[rng.randrange(100, 30000) for _ in range(prompt_len)] for _ in range(batch)]
     params = {"max_new_tokens": steps + 8, "ignore_eos": True, "temperature": 0.0}
     reqs = [r for p in prompts for r in engine.add_request(p, params)]
     while any(r.prefilling or not r.output_ids for r in reqs):

@@ -8,6 +8,7 @@ from engine.device import DeviceInfo
 from engine.plugins import PluginInfo, build_registries, load_entry_points, new_plugin_manager, register_builtins
 from engine import hookimpl
 from engine.registry import (BackendUnavailable, IncompatibleOptions, UnknownAttentionBackend,
+                             default_page_size,
                              UnknownName, backend_kv_dtypes, resolve_attention_backend,
                              resolve_policy, resolve_quantization)
 
@@ -136,6 +137,41 @@ def test_auto_on_a_gpu_orders_the_other_backends_by_priority(monkeypatch):
     assert resolve_attention_backend(regs, "auto", H100, "fp16", pm=pm).name == "fp16_only"
     # on a CPU the core's answer stays torch_native
     assert resolve_attention_backend(regs, "auto", CPU, pm=pm).name == "torch_native"
+
+
+def test_auto_picks_the_guides_backend_by_compute_capability(regs, monkeypatch):
+    """With the kernel packages present (faked: their checks look them up with find_spec), auto
+    follows the guide: fa3 on Hopper, trtllm_mha on Blackwell, flashinfer on Ampere/Ada, and by
+    priority where the guide's pick cannot serve the KV dtype or the GPU is older."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    present = {"sgl_kernel", "flashinfer", "triton"}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in present else real(name, *a))
+    pick = {name: resolve_attention_backend(regs[0], "auto", DeviceInfo("cuda", name, cc), kv,
+                                            pm=regs[1]).name
+            for name, cc, kv in [("H100", (9, 0), "auto"), ("B200", (10, 0), "auto"),
+                                 ("A100", (8, 0), "auto"), ("L4", (8, 9), "auto"),
+                                 ("T4", (7, 5), "auto"), ("H200", (9, 0), "fp8_e5m2"),
+                                 ("B300", (10, 3), "fp8_e5m2")]}
+    assert pick == {"H100": "fa3", "B200": "trtllm_mha", "A100": "flashinfer", "L4": "flashinfer",
+                    "T4": "triton", "H200": "flashinfer", "B300": "flashinfer"}
+    present.discard("sgl_kernel")  # Hopper without sgl-kernel: the guide's second choice
+    assert resolve_attention_backend(regs[0], "auto", H100, pm=regs[1]).name == "flashinfer"
+    # trtllm_mha takes pages of 16, 32 or 64 tokens (64 when --page-size is not given): with
+    # --page-size 1 auto passes it over, and asking for it by name says what to change
+    b200 = DeviceInfo("cuda", "B200", (10, 0))
+    trt = resolve_attention_backend(regs[0], "auto", b200, pm=regs[1], page_size=None)
+    assert trt.name == "trtllm_mha" and default_page_size(trt) == 64
+    assert resolve_attention_backend(regs[0], "auto", b200, pm=regs[1], page_size=32) == trt
+    assert resolve_attention_backend(regs[0], "auto", b200, pm=regs[1],
+                                     page_size=1).name == "flashinfer"
+    with pytest.raises(IncompatibleOptions, match=re.escape(
+            "'trtllm_mha' needs --page-size 16 or 32 or 64, got 1; leave --page-size unset to "
+            "get 64.")):
+        resolve_attention_backend(regs[0], "trtllm_mha", b200, pm=regs[1], page_size=1)
+    assert default_page_size(resolve_attention_backend(regs[0], "flashinfer", H100, pm=regs[1])) == 1
 
 
 def test_policy_resolution(regs, core_only):

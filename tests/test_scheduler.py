@@ -176,7 +176,7 @@ def test_log_lines_use_the_guides_wording(model, caplog):
         r"#running-req: 2, #queue-req: 0", m) for m in messages), messages
     assert any(re.fullmatch(
         r"Decode batch\. #running-req: 2, #token: \d+, token usage: \d\.\d\d, "
-        r"gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0", m) for m in messages), messages
+        r"cuda graph: False, gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0", m) for m in messages), messages
 
 
 def test_n_samples_share_the_prompt_and_free_everything(model):

@@ -80,15 +80,15 @@ def test_backend_matches_reference_in_every_mode(page_size):
 
 
 
-def test_long_decode_batches_are_cut_into_cache_sized_groups(monkeypatch):
+def test_long_decode_batches_are_cut_into_cache_sized_groups():
     import engine.attention.torch_native as tn
 
     gen = torch.Generator().manual_seed(3)
     pool = KVPool(len(SPECS), KVH, D, 512, torch.float32, max_reqs=8, max_context_len=128)
     backend = TorchNativeBackend(BackendContext(pool, SPECS, "cpu", torch.float32))
     assert backend.kv_bytes == 2 * KVH * D * 4
-    # room for 100 padded key positions per group
-    monkeypatch.setattr(tn, "DECODE_GROUP_BYTES", 100 * backend.kv_bytes)
+    assert backend.decode_group_bytes == tn.DECODE_GROUP_BYTES
+    backend.decode_group_bytes = cap = 100 * backend.kv_bytes  # 100 padded key positions a group
     rows = [pool.alloc_req() for _ in range(6)]
     lens = [40, 3, 25, 9, 60, 18]
     run_step(pool, backend, rows, [0] * 6, lens, gen)
@@ -97,11 +97,36 @@ def test_long_decode_batches_are_cut_into_cache_sized_groups(monkeypatch):
     groups = [[lens[i] + 1 for i in g] for g in
               tn.bucket_decodes(ForwardBatch.build([[0]] * 6, lens, rows, torch.zeros(6),
                                                    pool.req_to_token), list(range(6)),
-                                backend.kv_bytes)]
+                                backend.kv_bytes, cap)]
     assert groups == [[4, 10, 19], [26, 41], [61]]
     assert [g.num_reqs for g in backend.groups] == [3, 2, 1]
     free_requests(pool, rows, [n + 1 for n in lens])
     assert pool.free_slots == pool.size
+
+def test_prompts_without_a_prefix_use_no_mask_and_gpu_decodes_one_group():
+    """Prompts with no cached prefix: windowless layers run SDPA with is_causal and no mask
+    (the fused kernels on a GPU); a backend made for a CUDA device keeps every decode in one
+    group. Both checked against the per-request reference (on the CPU, with that setting)."""
+    gen = torch.Generator().manual_seed(5)
+    pool = KVPool(len(SPECS), KVH, D, 512, torch.float32, max_reqs=8, max_context_len=128)
+    backend = TorchNativeBackend(BackendContext(pool, SPECS, "cpu", torch.float32))
+    assert TorchNativeBackend(BackendContext(pool, SPECS, "cuda", torch.float32)
+                              ).decode_group_bytes is None
+    backend.decode_group_bytes = None
+    rows = [pool.alloc_req() for _ in range(4)]
+    lens = [30, 2, 17, 9]
+    run_step(pool, backend, rows, [0] * 4, lens, gen)
+    assert [g.plain_causal for g in backend.groups] == [True] * len(backend.groups)
+    assert all(None not in g.masks and 3 in g.masks for g in backend.groups)
+    batch = run_step(pool, backend, rows, lens, [1] * 4, gen)
+    assert batch.mode == ForwardMode.DECODE and len(backend.groups) == 1
+    assert not backend.groups[0].plain_causal
+    lens = [n + 1 for n in lens]
+    run_step(pool, backend, rows, lens, [4, 1, 3, 1], gen)  # after a prefix: masks again
+    assert all(not g.plain_causal and None in g.masks for g in backend.groups)
+    free_requests(pool, rows, [n + e for n, e in zip(lens, [4, 1, 3, 1])])
+    assert pool.free_slots == pool.size
+
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_factory, registries, cpu_device):

@@ -41,6 +41,20 @@ class RegistryChoice(click.ParamType):
         return value
 
 
+class IntList(click.ParamType):
+    """Sizes as "1,2,4,8" or "1 2 4 8" (SGLang's --cuda-graph-bs takes them space separated)."""
+
+    name = "sizes"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, list):
+            return value
+        try:
+            return [int(x) for x in value.replace(",", " ").split()]
+        except ValueError:
+            self.fail(f"{value!r} is not a list of integers (e.g. \"1,2,4,8\")", param, ctx)
+
+
 def _plugin_options(command: click.Command) -> dict[str, tuple[str, str]]:
     """Append each plugin EngineOption to ``command``; returns param name -> (plugin, dest)."""
     taken = {opt for p in command.params for opt in getattr(p, "opts", ())}
@@ -103,7 +117,8 @@ ENGINE_OPTIONS = [
                  type=RegistryChoice("attention", ("auto",))),
     click.option("--kv-cache-dtype", default=_D.kv_cache_dtype, type=RegistryChoice("kv_dtypes")),
     click.option("--quantization", default=None, type=RegistryChoice("quantization")),
-    click.option("--page-size", default=_D.page_size, type=int, help="Tokens per KV page."),
+    click.option("--page-size", type=int, help="Tokens per KV page.  [default: 1, or the "
+                                                "attention backend's own (trtllm_mha: 64)]"),
     click.option("--mem-fraction-static", type=float,
                  help="Share of device memory for weights + KV pool.  [default: per device]"),
     click.option("--max-total-tokens", type=int, help="KV pool size in tokens (overrides "
@@ -124,6 +139,13 @@ ENGINE_OPTIONS = [
                       "--torch-compile-max-bs tokens; bigger ones stay eager."),
     click.option("--torch-compile-max-bs", default=_D.torch_compile_max_bs, type=int,
                  help="Largest batch (tokens per forward) that runs compiled."),
+    click.option("--cuda-graph-max-bs", type=int,
+                 help="Decode batches of up to this many requests replay captured CUDA graphs "
+                      "(GPU only).  [default: 160, at most --max-running-requests]"),
+    click.option("--cuda-graph-bs", type=IntList(),
+                 help="The exact decode batch sizes to capture, e.g. \"1,2,4,8,16\"."),
+    click.option("--disable-cuda-graph", "--enforce-eager", "disable_cuda_graph", is_flag=True,
+                 help="Run every decode step eagerly (no CUDA graphs)."),
     click.option("--seed", default=_D.seed, type=int),
 ]
 

@@ -20,7 +20,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
-    page_size: int = 1
+    page_size: int | None = None  # None: the attention backend's default (1 for most)
     # memory
     mem_fraction_static: float | None = None  # None: per-device default (see memory/sizing.py)
     max_total_tokens: int | None = None
@@ -37,6 +37,10 @@ class EngineConfig:
     # torch.compile of the decoder stack for forwards of up to torch_compile_max_bs tokens
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    # CUDA graphs for decode batches of up to cuda_graph_max_bs requests (None: see sizing.py)
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None  # the exact sizes to capture
+    disable_cuda_graph: bool = False
     # parallelism and compilation (GPU features; validated, refused on CPU where meaningless)
     tp_size: int = 1
     dp_size: int = 1
@@ -52,7 +56,8 @@ class EngineConfig:
              f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         need(self.device in ("auto", "cpu", "cuda"),
              f"--device must be one of auto, cpu, cuda, got {self.device!r}")
-        need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
+        need(self.page_size is None or self.page_size >= 1,
+             f"--page-size must be >= 1, got {self.page_size}")
         if self.mem_fraction_static is not None:
             need(0 < self.mem_fraction_static < 1,
                  f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
@@ -70,6 +75,10 @@ class EngineConfig:
              f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         need(self.torch_compile_max_bs >= 1,
              f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        need(not self.cuda_graph_bs or min(self.cuda_graph_bs) >= 1,
+             f"--cuda-graph-bs sizes must be >= 1, got {self.cuda_graph_bs}")
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.tp_size == 1,

@@ -13,6 +13,12 @@ logger = logging.getLogger("engine")
 _rids = itertools.count()
 
 
+def torch_cuda_free() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
 class RequestError(EngineError, ValueError):
     """A request that can never be served as asked (too long, bad ids, ...)."""
 
@@ -26,8 +32,8 @@ class Engine:
         from engine.models.checkpoint import open_checkpoint
         from engine.models.config import ModelConfig
         from engine.plugins import get_registries, load_plugins
-        from engine.registry import (resolve_attention_backend, resolve_kv_dtype, resolve_policy,
-                                     resolve_quantization)
+        from engine.registry import (default_page_size, resolve_attention_backend,
+                                     resolve_kv_dtype, resolve_policy, resolve_quantization)
 
         self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
         # the name clients use by default: the default model's, else the path as given
@@ -39,7 +45,10 @@ class Engine:
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
-                                               config.kv_cache_dtype, pm=pm)
+                                               config.kv_cache_dtype, pm=pm,
+                                               page_size=config.page_size)
+        if config.page_size is None:  # the backend's own default (trtllm_mha: 64), else 1
+            config.page_size = default_page_size(attn_entry)
         self.checkpoint = open_checkpoint(model_path)
         hf_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models).hf_config
         # --quantization, or the method the checkpoint declares (then logged as detected)
@@ -53,6 +62,7 @@ class Engine:
         import torch
 
         torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
+        from engine.cuda_graph import estimate_graph_bytes
         from engine.memory.radix_cache import RadixCache
         from engine.memory.sizing import plan
         from engine.models.checkpoint import load_tokenizer_dir
@@ -75,8 +85,10 @@ class Engine:
         # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
         reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
                      if kv_entry.obj.needs_scale else None)
+        itemsize = torch.empty((), dtype=runner.dtype).element_size()
         self.sizing = plan(config, self.device, runner.weight_bytes, runner.kv_bytes_per_token(),
-                           config.kv_cache_dtype, mc.max_position_embeddings, reference)
+                           config.kv_cache_dtype, mc.max_position_embeddings, reference,
+                           graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs))
         pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
                                    self.sizing.max_running_requests, self.sizing.context_length)
         if runner.compiled is not None:
@@ -86,6 +98,7 @@ class Engine:
             logger.info(f"torch.compile: decoder compiled for forwards of up to "
                         f"{config.torch_compile_max_bs} tokens in {seconds:.1f} s (inductor, "
                         f"dynamic token dimension; cache {runner.compiled.cache_dir})")
+        self.cuda_graph = self._capture_cuda_graphs(runner)
         cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
                                                                    config.page_size)
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -109,10 +122,43 @@ class Engine:
                     f"{'disabled' if cache is None else 'enabled'}")
         for line in self.sizing.lines():
             logger.info(line)
+        logger.info(self.cuda_graph)
         if kv_entry.obj.needs_scale:
             scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
                       "1.0 (none in the checkpoint)")
             logger.info(f"KV cache {config.kv_cache_dtype}: per-layer K/V scales {scales}")
+
+    def _capture_cuda_graphs(self, runner) -> str:
+        """Capture the decode graphs when they apply; returns the start log's line about them."""
+        from engine.cuda_graph import capture_sizes, measure_cuda_memory
+
+        config, max_bs = self.config, self.sizing.cuda_graph_max_bs
+        if not self.device.is_cuda:
+            return "cuda graph: off (CUDA graphs need a CUDA GPU; this is a CPU)"
+        if config.disable_cuda_graph:
+            return "cuda graph: off (--disable-cuda-graph)"
+        if not runner.backend.supports_cuda_graph:
+            return (f"cuda graph: off (attention backend {self.attention_backend} cannot run "
+                    f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
+        sizes = [s for s in capture_sizes(max_bs, config.cuda_graph_bs) if s <= max_bs]
+        gb = 1 << 30
+        free = torch_cuda_free()
+        logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
+                    f"avail mem={free / gb:.2f} GB")
+        try:
+            with measure_cuda_memory(self.device.torch_device) as mem:
+                seconds = runner.init_cuda_graphs(sizes)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            if "out of memory" not in str(e):
+                raise
+            raise EngineError(
+                f"CUDA graph capture ran out of GPU memory ({len(sizes)} sizes up to {max_bs} "
+                f"requests): lower --mem-fraction-static (now "
+                f"{self.sizing.mem_fraction_static}) or --cuda-graph-max-bs, or pass "
+                f"--disable-cuda-graph.") from None
+        logger.info(f"Capture cuda graph end. Time elapsed: {seconds:.2f} s. "
+                    f"mem usage={mem['used'] / gb:.2f} GB. avail mem={mem['free'] / gb:.2f} GB.")
+        return f"cuda graph: on, captured bs {sizes}"
 
     # -- requests ------------------------------------------------------------------------------
     def make_params(self, sampling_params):

@@ -18,13 +18,15 @@ def register_attention_backends(register):
     """Register attention backends.
 
     ``register(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
-    description="")``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
+    description="", page_sizes=None)``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
     (``ctx`` is an :class:`engine.interfaces.BackendContext`); ``check(device) -> str | None``
     returns None when the backend can run on ``device`` (a :class:`engine.device.DeviceInfo`),
     else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts
     (or is ``"any"``: every registered one, for a backend that reads K/V through the pool's
     dequantizing ``get_kv``);
-    ``priority`` orders the candidates of ``--attention-backend auto``.
+    ``priority`` orders the candidates of ``--attention-backend auto``; ``page_sizes`` (None:
+    any) lists the ``--page-size`` values its kernels take, the last one its default when
+    ``--page-size`` is not given (``auto`` skips a backend that cannot take a given one).
     """
 
 
@@ -70,8 +72,9 @@ def register_commands(cli):
 
 
 @hookspec(firstresult=True)
-def select_attention_backend(device, model_config, kv_dtype):
+def select_attention_backend(device, model_config, kv_dtype, page_size):
     """Pick the backend for ``--attention-backend auto``: return a registered name or None.
+    ``page_size`` is the ``--page-size`` asked for, or None when it is left to the backend.
 
     The first non-None answer wins; the core's own answer is ``trylast`` so that a platform plugin
     can override it.

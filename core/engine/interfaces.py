@@ -73,6 +73,27 @@ class AttentionBackend(ABC):
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the T new tokens.
         Stores k/v in the pool and returns [T, num_heads, head_dim]."""
 
+    # -- CUDA graphs (decode batches; see cuda_graph.py) ----------------------------------------
+    # A backend that can run inside a captured graph sets ``supports_cuda_graph`` and implements
+    # the three methods below. The graph runner owns one padded decode ForwardBatch per captured
+    # size whose tensors never move; ``forward`` then must read only tensors that stay put too.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate fixed metadata buffers for decode batches of up to ``max_bs`` requests."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, batch: "ForwardBatch") -> None:
+        """Before capturing the graph for ``bs`` requests: point this size's metadata at the
+        fixed buffers (``batch`` is the runner's fixed batch for that size)."""
+        raise NotImplementedError
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, batch: "ForwardBatch") -> None:
+        """Before each replay, outside the graph: refill the fixed buffers for ``batch`` (the
+        same fixed batch, now holding the step's requests and padding rows; its host lists are
+        current). Must not allocate tensors the captured graph would read."""
+        raise NotImplementedError
+
 
 class SchedulePolicy(ABC):
     """Orders the waiting queue each step."""

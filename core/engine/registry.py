@@ -159,15 +159,27 @@ def backend_kv_dtypes(regs: Registries, entry: Entry) -> list[str]:
     return regs.kv_dtypes.names() if supported == "any" else list(supported)
 
 
+def takes_page_size(entry: Entry, page_size: int | None) -> bool:
+    sizes = entry.extra.get("page_sizes")
+    return page_size is None or not sizes or page_size in sizes
+
+
+def default_page_size(entry: Entry) -> int:
+    """The page size when --page-size is not given: the backend's own (its last listed), else 1."""
+    sizes = entry.extra.get("page_sizes")
+    return sizes[-1] if sizes else 1
+
+
 def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str = "auto",
-                              model_config=None, pm=None) -> Entry:
-    """Resolve ``--attention-backend`` (``auto`` included) for ``device`` and ``kv_dtype``."""
+                              model_config=None, pm=None, page_size: int | None = None) -> Entry:
+    """Resolve ``--attention-backend`` (``auto`` included) for ``device``, ``kv_dtype`` and
+    ``page_size`` (None: the backend's default)."""
     resolve_kv_dtype(regs, kv_dtype)
     if name == "auto":
         picked = None
         if pm is not None:
             picked = pm.hook.select_attention_backend(
-                device=device, model_config=model_config, kv_dtype=kv_dtype)
+                device=device, model_config=model_config, kv_dtype=kv_dtype, page_size=page_size)
         if picked is None:
             reasons = "; ".join(
                 f"{e.name}: {e.unavailable_reason(device) or 'does not support --kv-cache-dtype ' + kv_dtype}"
@@ -187,6 +199,11 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
         raise IncompatibleOptions(
             f"'{entry.name}' does not support --kv-cache-dtype {kv_dtype} "
             f"(supports: {', '.join(supported)}).")
+    if not takes_page_size(entry, page_size):
+        sizes = entry.extra["page_sizes"]
+        raise IncompatibleOptions(
+            f"'{entry.name}' needs --page-size {' or '.join(map(str, sizes))}, got {page_size}; "
+            f"leave --page-size unset to get {default_page_size(entry)}.")
     return entry
 
 

@@ -62,6 +62,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or KVDtype()
         self.kv_pool: KVPool | None = None
         self.backend = None
+        self.cuda_graphs = None  # a CudaGraphRunner once init_cuda_graphs() captured them
+        self.last_cuda_graph = False  # whether the latest forward replayed a graph
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:
@@ -91,10 +93,28 @@ class ModelRunner:
         self.backend = self.attention_factory(ctx)
         return self.kv_pool
 
+    def init_cuda_graphs(self, sizes: list[int], graph_cls=None) -> float:
+        """Capture decode forwards of ``sizes`` requests (see cuda_graph.py); returns seconds.
+        ``graph_cls``: a stand-in for torch.cuda.CUDAGraph (the CPU tests' EagerGraph)."""
+        from engine.cuda_graph import CudaGraphRunner
+
+        assert self.backend is not None, "call init_kv_pool() before init_cuda_graphs()"
+        if not self.backend.supports_cuda_graph:
+            raise EngineError(f"attention backend {type(self.backend).__name__} cannot run "
+                              f"inside a CUDA graph")
+        self.cuda_graphs = CudaGraphRunner(self, sizes, graph_cls)
+        return self.cuda_graphs.capture()
+
     def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
         """float32 logits [B, V] at each request's last new token ([T, V] with
         ``return_all_logits``)."""
         assert self.backend is not None, "call init_kv_pool() before forward()"
+        graphs = self.cuda_graphs
+        self.last_cuda_graph = (graphs is not None and not return_all_logits
+                                and graphs.can_run(batch))
+        if self.last_cuda_graph:
+            with torch.inference_mode():
+                return graphs.replay(batch).float()
         with torch.inference_mode():
             self.backend.init_forward_metadata(batch)
             with forward_context(self.backend, batch):

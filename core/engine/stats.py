@@ -28,6 +28,7 @@ class StepStats:
     retracted_reqs: int = 0
     finished_reqs: int = 0
     gen_throughput: float | None = None  # set on steps that print the decode line
+    cuda_graph: bool = False  # the step's forward replayed a captured CUDA graph
     totals: "Counters" = None
 
     @property
@@ -77,7 +78,8 @@ class StatLogger:
         self.tokens_since, self.since = 0, now
         logger.info(
             f"Decode batch. #running-req: {s.num_running_reqs}, #token: {s.num_used_tokens}, "
-            f"token usage: {s.token_usage:.2f}, gen throughput (token/s): {s.gen_throughput:.2f}, "
+            f"token usage: {s.token_usage:.2f}, cuda graph: {s.cuda_graph}, "
+            f"gen throughput (token/s): {s.gen_throughput:.2f}, "
             f"#queue-req: {s.num_queue_reqs}")
 
     @staticmethod

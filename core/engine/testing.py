@@ -144,6 +144,42 @@ def greedy_generate(runner, prompts: list[list[int]], max_new_tokens: int) -> li
     return outs
 
 
+ZEN = ("Now is better than never.", "Flat is better", "Errors should never pass")
+
+
+def greedy_matches_hf(path: str, registries, attention_factory, cuda_graph: bool = False,
+                      device=None, max_new_tokens: int = 12):
+    """Greedy decoding of the tiny checkpoint ``path`` through ``attention_factory`` equals HF
+    transformers' (float32, eager attention) for three prompts prefilled together, page size
+    16. With ``cuda_graph`` every decode step replays the graph runner's size-4 graph (one row
+    padding): a real CUDA graph on a CUDA ``device``, else the EagerGraph stand-in. Returns the
+    runner."""
+    import transformers
+
+    from engine.cuda_graph import EagerGraph
+    from engine.device import DeviceInfo
+    from engine.runner import ModelRunner
+
+    device = device or DeviceInfo("cpu", "CPU")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [tok(t).input_ids for t in ZEN]
+    runner = ModelRunner(path, registries=registries, device=device, dtype="float32",
+                         attention_factory=attention_factory)
+    runner.init_kv_pool(1024, page_size=16)
+    if cuda_graph:
+        runner.init_cuda_graphs([1, 2, 4], graph_cls=None if device.is_cuda else EagerGraph)
+    ours = greedy_generate(runner, prompts, max_new_tokens)
+    for p, out in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=2)
+        assert out == ref[0, len(p):].tolist()
+    if cuda_graph:
+        assert runner.cuda_graphs.replays == max_new_tokens - 1 and runner.last_cuda_graph
+    return runner
+
+
 def free_requests(pool, rows: list[int], lens: list[int]) -> None:
     for r, n in zip(rows, lens):
         pool.free_pages(pool.slots_to_pages(pool.req_to_token[r, :n]))
@@ -173,6 +209,69 @@ def compare_backends_step(pool, backends, rows: list[int], lens: list[int],
             assert out.dtype == ref.dtype == q.dtype and out.shape == q.shape
             torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     return batch
+
+
+def scattered_filler(pool, page_size: int, pages: int = 24):
+    """A filler request whose every other page is freed, so that the next requests' pages
+    interleave; returns (its row, its pages). Free ``pages[1::2]`` and the row when done."""
+    filler = pool.alloc_req()
+    held = pool.slots_to_pages(pool.extend_slots(filler, 0, pages * page_size))
+    pool.free_pages(held[::2])
+    return filler, held
+
+
+# five requests: prompts (one over two 32-key blocks, one of a single token), two decode steps
+# (past a sliding window of 5), then extends over their cached prefixes beside decodes
+MIXED_STEPS = ([9, 1, 70, 4, 33], [1] * 5, [1] * 5, [1, 6, 1, 40, 12])
+MIXED_MODES = ("extend", "decode", "decode", "mixed")
+
+
+def run_mixed_steps(pool, backends, specs, gen, tol: float, device="cpu",
+                    q_dtype: torch.dtype = torch.float32, step=None) -> None:
+    """MIXED_STEPS through ``step`` (default: :func:`compare_backends_step` on ``device`` with
+    ``q_dtype`` queries), asserting each batch's mode; frees the requests."""
+    if step is None:
+        def step(pool, backends, rows, lens, new, specs, gen, tol):
+            return compare_backends_step(pool, backends, rows, lens, new, specs, gen, tol,
+                                         device, q_dtype)
+    rows = [pool.alloc_req() for _ in MIXED_STEPS[0]]
+    lens = [0] * len(rows)
+    for new, mode in zip(MIXED_STEPS, MIXED_MODES):
+        assert step(pool, backends, rows, lens, new, specs, gen, tol).mode.value == mode
+        lens = [n + e for n, e in zip(lens, new)]
+    free_requests(pool, rows, lens)
+
+
+def backend_matches_torch_native(make_backend, shape: tuple[int, int, int], page_size: int,
+                                 tol: float = 1e-5, device="cpu") -> None:
+    """A backend (``make_backend(ctx)``) against torch_native on one float32 pool whose pages
+    interleave with a filler's: MIXED_STEPS through a full and a sliding-window (5) layer of
+    ``shape`` (heads, KV heads, head dim); everything freed afterwards."""
+    from engine.attention.torch_native import TorchNativeBackend
+    from engine.interfaces import AttentionLayerSpec, BackendContext
+    from engine.memory.kv_pool import KVPool
+
+    H, KVH, D = shape
+    specs = [AttentionLayerSpec(H, KVH, D, D ** -0.5), AttentionLayerSpec(H, KVH, D, 0.3, 5)]
+    pool = KVPool(len(specs), KVH, D, 1024, torch.float32, device=device, page_size=page_size,
+                  max_reqs=8, max_context_len=512)
+    ctx = BackendContext(pool, specs, device, torch.float32)
+    filler, pages = scattered_filler(pool, page_size)
+    run_mixed_steps(pool, (make_backend(ctx), TorchNativeBackend(ctx)), specs,
+                    torch.Generator().manual_seed(0), tol, device)
+    pool.free_pages(pages[1::2])
+    pool.free_req(filler)
+    assert pool.free_slots == pool.size
+
+
+def refill_batch(fixed, new) -> None:
+    """What the CUDA-graph runner does before a replay: ``new``'s tensors and host lists into
+    the fixed batch ``fixed`` of the same size, in place (tests of a backend's graph methods)."""
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens",
+                 "extend_lens", "seq_lens", "logits_indices"):
+        getattr(fixed, name).copy_(getattr(new, name))
+    fixed.prefix_lens_list[:] = new.prefix_lens_list
+    fixed.extend_lens_list[:] = new.extend_lens_list
 
 
 def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = False):

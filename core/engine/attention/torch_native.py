@@ -4,6 +4,11 @@ Requests are split into two padded groups per step: those bringing one token (de
 1-token prompts) and those bringing several (prompts, maybe after a cached prefix). Each group is
 one SDPA call per layer over K/V gathered from the pool, so no Python loop runs per request or
 per token. Slot indices and masks are built once per step in ``init_forward_metadata``.
+
+Where no mask is needed it passes none, so SDPA can take its fused (flash) kernels on a GPU: a group
+of prompts with no cached prefix and no sliding window is plain causal attention (``is_causal``;
+a padded key is only ever seen by a padded query, whose output is dropped). Decode rows are cut into
+cache-sized groups only on a CPU; on a GPU they form one group, one SDPA call per layer.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class _Group:
     dest: torch.Tensor | None  # [n] tokens the group's valid rows write to (None with tokens None)
     rows: torch.Tensor | None  # [n] the valid rows among the B*E padded ones
     masks: dict = field(default_factory=dict)  # sliding window (None: full) -> [B, 1, E, L] bool
+    plain_causal: bool = False  # no prefix anywhere: windowless layers use is_causal, no mask
 # fmt: on
 
 
@@ -41,11 +47,15 @@ class TorchNativeBackend(AttentionBackend):
         # bytes of one key position's gathered K and V in one layer (K/V are read in ctx.dtype)
         self.kv_bytes = max((2 * s.num_kv_heads * s.head_dim for s in ctx.layers),
                             default=0) * ctx.dtype.itemsize
+        # the decode groups' byte cap is a CPU cache size; a GPU runs all decodes in one call
+        self.decode_group_bytes = (None if str(ctx.device).startswith("cuda")
+                                   else DECODE_GROUP_BYTES)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         single, multi = split_rows(batch)
         self.groups = [self.make_group(batch, idx) for idx in (
-            *bucket_decodes(batch, single, self.kv_bytes), *bucket_prompts(batch, multi)) if idx]
+            *bucket_decodes(batch, single, self.kv_bytes, self.decode_group_bytes),
+            *bucket_prompts(batch, multi)) if idx]
 
     def make_group(self, batch: ForwardBatch, idx: list[int]) -> _Group:
         """Padded metadata for the rows ``idx``, attended together by :meth:`attend_group`."""
@@ -70,9 +80,13 @@ class TorchNativeBackend(AttentionBackend):
             valid = (torch.arange(E, device=dev)[None, :] < ext_t[:, None]).flatten()
             rows = valid.nonzero().squeeze(1)
             dest = tokens.flatten()[rows]
-        g = _Group(B, E, L, slots, tokens, dest, rows)
+        # no cached prefix: query i is at position i, and E == L
+        plain = E > 1 and not any(batch.prefix_lens_list[i] for i in idx)
+        g = _Group(B, E, L, slots, tokens, dest, rows, plain_causal=plain)
         causal = kpos[None, None, :] <= qpos[:, :, None]  # [B, E, L]
         for w in self.windows:
+            if w is None and plain:
+                continue
             m = causal if w is None else causal & (kpos[None, None, :] > qpos[:, :, None] - w)
             g.masks[w] = m[:, None]
         return g
@@ -103,7 +117,11 @@ class TorchNativeBackend(AttentionBackend):
         q = q.view(B, E, H, D) if g.tokens is None else q[g.tokens]
         k, v = self.kv_pool.get_kv(layer_id, g.slots, q.dtype)  # [B, L, KVH, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        mask = g.masks[spec.sliding_window]
+        mask = g.masks.get(spec.sliding_window)
+        if mask is None:  # plain causal prompts (see make_group)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                               scale=spec.scaling, enable_gqa=H != KVH)
+            return o.transpose(1, 2)
         if E == 1:
             # the G query heads sharing a KV head become G query rows: no K/V copy, one bmm
             qf = q.view(B, KVH, H // KVH, D)
@@ -125,16 +143,18 @@ def split_rows(batch: ForwardBatch) -> tuple[list[int], list[int]]:
 DECODE_GROUP_BYTES = 8 << 20
 
 
-def bucket_decodes(batch: ForwardBatch, idx: list[int], kv_bytes: int) -> list[list[int]]:
-    """Decode rows in one group when their padded K/V is small; otherwise sorted by length and
-    cut into groups of at most DECODE_GROUP_BYTES each (a lone long row is a group of its own).
-    Sorting also keeps the padding low: each group pads only to its own longest row."""
+def bucket_decodes(batch: ForwardBatch, idx: list[int], kv_bytes: int,
+                   cap: int | None = DECODE_GROUP_BYTES) -> list[list[int]]:
+    """Decode rows in one group when their padded K/V is under ``cap`` bytes (or ``cap`` is
+    None); otherwise sorted by length and cut into groups of at most ``cap`` bytes each (a lone
+    long row is a group of its own). Sorting also keeps the padding low: each group pads only to
+    its own longest row."""
     seq = batch.seq_lens_list
-    if not idx or len(idx) * max(seq[i] for i in idx) * kv_bytes <= DECODE_GROUP_BYTES:
+    if not idx or cap is None or len(idx) * max(seq[i] for i in idx) * kv_bytes <= cap:
         return [idx]
     groups: list[list[int]] = [[]]
     for i in sorted(idx, key=lambda i: seq[i]):
-        if groups[-1] and (len(groups[-1]) + 1) * seq[i] * kv_bytes > DECODE_GROUP_BYTES:
+        if groups[-1] and (len(groups[-1]) + 1) * seq[i] * kv_bytes > cap:
             groups.append([])
         groups[-1].append(i)
     return groups

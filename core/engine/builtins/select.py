@@ -7,9 +7,9 @@ PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("f
 
 
 @hookimpl(trylast=True)
-def select_attention_backend(device, model_config, kv_dtype):
+def select_attention_backend(device, model_config, kv_dtype, page_size):
     from engine.plugins import get_registries
-    from engine.registry import backend_kv_dtypes
+    from engine.registry import backend_kv_dtypes, takes_page_size
 
     registries = get_registries()
     regs = registries.attention
@@ -24,7 +24,7 @@ def select_attention_backend(device, model_config, kv_dtype):
         if name not in regs:
             continue
         entry = regs.get(name)
-        if (entry.unavailable_reason(device) is None
+        if (entry.unavailable_reason(device) is None and takes_page_size(entry, page_size)
                 and kv_dtype in backend_kv_dtypes(registries, entry)):
             return entry.name
     return None

@@ -2,7 +2,9 @@
 
 A slot holds one token's K and V for one layer. Slots are handed out in pages of ``page_size``
 slots (page p owns slots ``p*page_size .. p*page_size+page_size-1``); page 0 is never handed out,
-so slot 0 is a scratch slot that padded metadata can point at harmlessly.
+so slot 0 is a scratch slot that padded metadata can point at harmlessly. Likewise request row
+``scratch_row`` (one past the last real row) is never handed out and maps every position to
+slot 0: the padding rows of a CUDA-graph decode batch use it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class KVPool:
         self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
         self._top = self.num_pages  # _free_stack[:_top] are free; the top hands out low pages first
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64,
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64,
                                         device=device)
+        self.scratch_row = max_reqs  # stays all zeros: position -> the scratch slot 0
         self._free_reqs = list(range(max_reqs - 1, -1, -1))
         self.max_reqs = max_reqs
 

@@ -12,6 +12,8 @@ DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.3}
 DEFAULT_CHUNKED_PREFILL = {"cuda": 8192, "cpu": 512}
 # request-table rows: an upper bound on concurrently running requests
 REQUEST_POOL_SIZE = {"cuda": 4096, "cpu": 512}
+# decode batches up to this many requests replay CUDA graphs unless --cuda-graph-max-bs says
+DEFAULT_CUDA_GRAPH_MAX_BS = 160
 
 
 @dataclass
@@ -32,6 +34,10 @@ class SizingReport:
     # what the same pool bytes would hold in a reference KV dtype (set for quantized KV caches)
     reference_kv_dtype: str | None = None
     reference_kv_tokens: int | None = None
+    # CUDA graphs: the largest captured decode batch (0: none) and the memory they are expected
+    # to take, which must fit outside mem_fraction_static
+    cuda_graph_max_bs: int = 0
+    cuda_graph_reserve_bytes: int = 0
 
     def lines(self) -> list[str]:
         gib = 1 << 30
@@ -41,6 +47,15 @@ class SizingReport:
                        f"{self.max_total_tokens / ref:.2f}x the {ref} tokens of a "
                        f"{self.reference_kv_dtype} KV cache in the same "
                        f"{self.kv_pool_bytes / (1 << 20):.1f} MiB"]
+        graphs = []
+        if self.cuda_graph_max_bs:
+            room = int(self.available_memory_bytes * (1 - self.mem_fraction_static))
+            graphs = [f"cuda graph: decode batches up to {self.cuda_graph_max_bs} requests, "
+                      f"about {self.cuda_graph_reserve_bytes / gib:.2f} GiB expected outside "
+                      f"mem_fraction_static (which leaves {room / gib:.2f} GiB)"]
+            if room < self.cuda_graph_reserve_bytes:
+                graphs.append("warning: that may not fit: lower --mem-fraction-static or "
+                              "--cuda-graph-max-bs (or --disable-cuda-graph)")
         return [
             f"device: {self.device}, memory available at start: "
             f"{self.available_memory_bytes / gib:.2f} GiB, mem_fraction_static={self.mem_fraction_static}",
@@ -51,17 +66,35 @@ class SizingReport:
             f"{self.chunked_prefill_size}, max_prefill_tokens={self.max_prefill_tokens}, "
             f"context_len={self.context_length}, page_size={self.page_size}",
             *compare,
+            *graphs,
         ]
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def cuda_graph_max_bs(config, device) -> int:
+    """The largest decode batch to capture (before the cap at max_running_requests); 0: none."""
+    if not device.is_cuda or config.disable_cuda_graph:
+        return 0
+    if config.cuda_graph_bs:
+        return max(config.cuda_graph_bs)
+    return config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
+
+
 def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: str,
-         model_context_len: int, reference_kv: tuple[str, int] | None = None) -> SizingReport:
-    """``reference_kv``: (dtype name, its KV bytes per token) to compare the capacity with."""
+         model_context_len: int, reference_kv: tuple[str, int] | None = None,
+         graph_bytes=None) -> SizingReport:
+    """``reference_kv``: (dtype name, its KV bytes per token) to compare the capacity with;
+    ``graph_bytes(max_bs)``: the expected memory of CUDA graphs up to that batch size. Graphs
+    live outside mem_fraction_static, so its default leaves room for them (SGLang's guide: a
+    larger --cuda-graph-max-bs wants a lower --mem-fraction-static)."""
     kind = "cuda" if device.is_cuda else "cpu"
+    graph_bs = cuda_graph_max_bs(config, device)
+    reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION[kind]
+    if config.mem_fraction_static is None and reserve and device.available_memory:
+        fraction = min(fraction, int(1000 * (1 - reserve / device.available_memory)) / 1000)
     if config.max_total_tokens is not None:
         total = config.max_total_tokens
     else:
@@ -73,10 +106,11 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
                 f"{fraction} x {device.available_memory / (1 << 30):.2f} GiB available is less "
                 f"than the {weight_bytes / (1 << 30):.2f} GiB of weights. Raise "
                 f"--mem-fraction-static or set --max-total-tokens.")
-    total -= total % config.page_size
-    if total < config.page_size:
+    page = config.page_size or 1  # the engine has set the backend's default by now
+    total -= total % page
+    if total < page:
         raise EngineError(f"--max-total-tokens {total} is smaller than one page "
-                          f"(--page-size {config.page_size}).")
+                          f"(--page-size {page}).")
     context = config.max_model_len or model_context_len
     if context > model_context_len:
         raise EngineError(
@@ -84,6 +118,8 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
             f"({model_context_len}); its rotary embedding is not defined past that. Use at most "
             f"{model_context_len}.")
     max_running = config.max_running_requests or max(1, min(total // 2, REQUEST_POOL_SIZE[kind]))
+    graph_bs = min(graph_bs, max_running)
+    reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
     chunk = config.chunked_prefill_size
     if chunk is None:
         chunk = DEFAULT_CHUNKED_PREFILL[kind]
@@ -93,8 +129,9 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
         kv_bytes_per_token=kv_bytes_per_token, kv_dtype=kv_dtype, max_total_tokens=total,
         kv_pool_bytes=total * kv_bytes_per_token, max_running_requests=max_running,
         chunked_prefill_size=chunk, max_prefill_tokens=config.max_prefill_tokens,
-        context_length=context, page_size=config.page_size,
+        context_length=context, page_size=page,
         reference_kv_dtype=reference_kv[0] if reference_kv else None,
         reference_kv_tokens=(total * kv_bytes_per_token // reference_kv[1]
                              if reference_kv else None),
+        cuda_graph_max_bs=graph_bs, cuda_graph_reserve_bytes=reserve,
     )

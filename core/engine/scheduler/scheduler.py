@@ -81,6 +81,7 @@ class Scheduler:
                           self.kv.pool.size, new_seqs, sum(n for _, n in prefill), cached,
                           retracted_reqs=retracted, totals=self.counters)
         touched = self._run(entries) if entries else []
+        stats.cuda_graph = bool(entries) and self.runner.last_cuda_graph
         if decodes:
             self.ratio.step()
         stats.forward_mode = ("mixed" if prefill and decodes else

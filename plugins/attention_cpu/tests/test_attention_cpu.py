@@ -12,7 +12,7 @@ from engine.interfaces import AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.registry import IncompatibleOptions, resolve_attention_backend
 from engine.runner import ModelRunner
-from engine.testing import TINY_CASES, free_requests, greedy_generate
+from engine.testing import TINY_CASES, free_requests, greedy_generate, scattered_filler
 from engine.testing import compare_backends_step as step
 from engine_attention_cpu import check, kernel, select_attention_backend
 from engine_attention_cpu.backend import CPUBackend
@@ -38,10 +38,7 @@ def test_matches_torch_native_in_every_mode(shape, page_size):
     specs = [AttentionLayerSpec(H, KVH, D, D ** -0.5), AttentionLayerSpec(H, KVH, D, 0.3, 5)]
     pool, cpu, native = make_pair(specs, KVH, D, page_size=page_size)
     gen = torch.Generator().manual_seed(0)
-    # scatter the slots: every other page of a filler request is free, so requests interleave
-    filler = pool.alloc_req()
-    pages = pool.slots_to_pages(pool.extend_slots(filler, 0, 48 * page_size))
-    pool.free_pages(pages[::2])
+    filler, pages = scattered_filler(pool, page_size, 48)  # the requests' slots interleave
     rows = [pool.alloc_req() for _ in range(5)]
     new = [9, 1, 70, 4, 33]  # one prompt longer than a 64-key block, one of a single token
     batch = step(pool, (cpu, native), rows, [0] * 5, new, specs, gen, 1e-5)

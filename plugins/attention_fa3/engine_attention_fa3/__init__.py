@@ -7,20 +7,20 @@ from engine import hookimpl
 
 def check(device):
     if not device.is_cuda:
-        return f"needs an NVIDIA GPU with compute capability 9.0 (Hopper), found {device.describe()}"
+        return (f"needs an NVIDIA GPU with compute capability 9.0 (Hopper), "
+                f"found {device.describe()}")
     if device.capability[0] != 9:
         return f"needs compute capability 9.0 (Hopper), found {device.describe()}"
     if importlib.util.find_spec("sgl_kernel") is None:
         return "needs the sgl-kernel package: pip install 'engine-attention-fa3[cuda]'"
-    return "the fa3 kernel path is not implemented yet"
+    return None
 
 
 def _factory(ctx):
-    from engine.registry import NotImplementedYet
+    from engine_attention_fa3.backend import FA3Backend, check_context, load_kernel
 
-    raise NotImplementedYet(
-        "attention backend 'fa3' is registered but not implemented yet; "
-        "use --attention-backend torch_native (or auto) for now.")
+    check_context(ctx)  # before the kernel import: a wrong dtype is named even without it
+    return FA3Backend(ctx, load_kernel())
 
 
 @hookimpl

@@ -4,7 +4,9 @@ import importlib.util
 
 from engine import hookimpl
 
-NEEDS_PACKAGE = "needs the flashinfer-python package: pip install 'engine-attention-flashinfer[cuda]'"
+TRTLLM_PAGE_SIZES = (16, 32, 64)  # what trtllm-gen's paged kernels take
+NEEDS_PACKAGE = ("needs the flashinfer-python package: "
+                 "pip install 'engine-attention-flashinfer[cuda]'")
 
 
 def check_flashinfer(device):
@@ -12,37 +14,36 @@ def check_flashinfer(device):
         return f"needs an NVIDIA GPU with compute capability >= 8.0, found {device.describe()}"
     if device.capability[0] < 8:
         return f"needs compute capability >= 8.0, found {device.describe()}"
-    if importlib.util.find_spec("flashinfer") is None:
-        return NEEDS_PACKAGE
-    return "the kernel path is not implemented yet"
+    return NEEDS_PACKAGE if importlib.util.find_spec("flashinfer") is None else None
 
 
 def check_trtllm(device):
     if not device.is_cuda:
-        return f"needs an NVIDIA GPU with compute capability 10.x (Blackwell), found {device.describe()}"
+        return (f"needs an NVIDIA GPU with compute capability 10.x (Blackwell), "
+                f"found {device.describe()}")
     if device.capability[0] != 10:
         return f"needs compute capability 10.x (Blackwell), found {device.describe()}"
-    if importlib.util.find_spec("flashinfer") is None:
-        return NEEDS_PACKAGE
-    return "the kernel path is not implemented yet"
+    return NEEDS_PACKAGE if importlib.util.find_spec("flashinfer") is None else None
 
 
-def _not_yet(name):
-    def factory(ctx):
-        from engine.registry import NotImplementedYet
+def _flashinfer(ctx):
+    from engine_attention_flashinfer.flashinfer_backend import from_context
 
-        raise NotImplementedYet(
-            f"attention backend '{name}' is registered but not implemented yet; "
-            "use --attention-backend torch_native (or auto) for now.")
+    return from_context(ctx)
 
-    return factory
+
+def _trtllm(ctx):
+    from engine_attention_flashinfer.trtllm_backend import from_context
+
+    return from_context(ctx)
 
 
 @hookimpl
 def register_attention_backends(register):
-    register("flashinfer", _not_yet("flashinfer"), check=check_flashinfer,
+    register("flashinfer", _flashinfer, check=check_flashinfer,
              kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"), priority=20,
              description="flashinfer paged attention, Ampere and newer")
-    register("trtllm_mha", _not_yet("trtllm_mha"), check=check_trtllm,
+    register("trtllm_mha", _trtllm, check=check_trtllm,
              kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3"), priority=25,
+             page_sizes=TRTLLM_PAGE_SIZES,  # the last (64) is the default, as in SGLang
              description="TensorRT-LLM MHA kernels through flashinfer, Blackwell")

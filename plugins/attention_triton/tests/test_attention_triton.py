@@ -20,11 +20,10 @@ if not GPU:  # before triton is imported: its jit (tl.zeros too) reads it when d
 
 from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
 from engine.device import DeviceInfo  # noqa: E402
-from engine.forward_batch import ForwardMode  # noqa: E402
 from engine.interfaces import AttentionLayerSpec, BackendContext  # noqa: E402
 from engine.memory.kv_pool import KVPool  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.testing import compare_backends_step, free_requests, greedy_generate  # noqa: E402
+from engine.testing import backend_matches_torch_native, greedy_matches_hf  # noqa: E402
+from engine.testing import run_mixed_steps as shared_mixed_steps  # noqa: E402
 from engine_attention_triton import check  # noqa: E402
 from engine_attention_triton.backend import TritonBackend  # noqa: E402
 
@@ -38,34 +37,8 @@ def make_pair(specs, kvh, d, dtype=torch.float32, page_size=1, size=1024):
     return pool, TritonBackend(ctx), TorchNativeBackend(ctx)
 
 
-def step(pool, backends, rows, lens, new_lens, specs, gen, tol, q_dtype=torch.float32):
-    return compare_backends_step(pool, backends, rows, lens, new_lens, specs, gen, tol,
-                                 DEVICE, q_dtype)
-
-
-def scattered(pool, page_size):
-    """A filler request whose every other page is freed, so the next requests interleave."""
-    filler = pool.alloc_req()
-    pages = pool.slots_to_pages(pool.extend_slots(filler, 0, 24 * page_size))
-    pool.free_pages(pages[::2])
-    return filler, pages
-
-
 def run_mixed_steps(pool, backends, specs, gen, tol, q_dtype=torch.float32):
-    rows = [pool.alloc_req() for _ in range(5)]
-    new = [9, 1, 70, 4, 33]  # prompts: one over two key blocks, one of a single token
-    batch = step(pool, backends, rows, [0] * 5, new, specs, gen, tol, q_dtype)
-    assert batch.mode == ForwardMode.EXTEND
-    lens = new
-    for _ in range(2):  # decodes, past the window
-        batch = step(pool, backends, rows, lens, [1] * 5, specs, gen, tol, q_dtype)
-        lens = [n + 1 for n in lens]
-    assert batch.mode == ForwardMode.DECODE
-    more = [1, 6, 1, 40, 12]  # extends over cached prefixes beside decodes
-    batch = step(pool, backends, rows, lens, more, specs, gen, tol, q_dtype)
-    assert batch.mode == ForwardMode.MIXED
-    lens = [n + e for n, e in zip(lens, more)]
-    free_requests(pool, rows, lens)
+    shared_mixed_steps(pool, backends, specs, gen, tol, DEVICE, q_dtype)
 
 
 # (heads, kv heads, head dim): GQA, MHA, MQA (a group wider than a block of rows), odd dim
@@ -75,15 +48,7 @@ SHAPES = [(4, 2, 16), (2, 2, 32), (40, 1, 16), (3, 1, 24)]
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_matches_torch_native_in_every_mode(shape, page_size):
-    H, KVH, D = shape
-    specs = [AttentionLayerSpec(H, KVH, D, D ** -0.5), AttentionLayerSpec(H, KVH, D, 0.3, 5)]
-    pool, triton_backend, native = make_pair(specs, KVH, D, page_size=page_size)
-    gen = torch.Generator().manual_seed(0)
-    filler, pages = scattered(pool, page_size)
-    run_mixed_steps(pool, (triton_backend, native), specs, gen, 1e-5)
-    pool.free_pages(pages[1::2])
-    pool.free_req(filler)
-    assert pool.free_slots == pool.size
+    backend_matches_torch_native(TritonBackend, shape, page_size, device=DEVICE)
 
 
 def test_float16_queries_and_pool():
@@ -105,22 +70,19 @@ def test_fp8_pool_with_per_layer_scales(kv_dtype):
     run_mixed_steps(pool, (triton_backend, native), specs, gen, 1e-5)
 
 
-def test_greedy_matches_hf_generate(tiny_model_factory, registries):
-    import transformers
-
-    path = tiny_model_factory("qwen2_bias_window")  # GQA, biases, a sliding-window layer
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = [tok(t).input_ids for t in ("Now is better than never.", "Flat is better")]
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_greedy_matches_hf_generate(tiny_model_factory, registries, cuda_graph):
+    """With cuda_graph, every decode step replays a graph captured for 1, 2 or 4 requests (3
+    prompts: one padding row): a real CUDA graph on a GPU, on a CPU the EagerGraph stand-in
+    re-running the forward over the same fixed buffers, whose tensors must never move."""
     device = DeviceInfo("cuda", "GPU", (9, 0)) if GPU else DeviceInfo("cpu", "CPU")
-    runner = ModelRunner(path, registries=registries, device=device, dtype="float32",
-                         attention_factory=TritonBackend)
-    runner.init_kv_pool(1024, page_size=16)
-    ours = greedy_generate(runner, prompts, 12)
-    for p, out in zip(prompts, ours):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=2)
-        assert out == ref[0, len(p):].tolist()
+    runner = greedy_matches_hf(tiny_model_factory("qwen2_bias_window"), registries,
+                               TritonBackend, cuda_graph, device)
+    if cuda_graph:
+        fixed = runner.cuda_graphs.batches[4]
+        assert runner.backend.req_rows.data_ptr() == fixed.req_pool_indices.data_ptr()
+        assert fixed.req_pool_indices.data_ptr() == runner.cuda_graphs.req_pool_indices.data_ptr()
+        assert runner.kv_pool.req_to_token[runner.kv_pool.scratch_row].eq(0).all()
 
 
 def test_refused_on_a_cpu_without_the_interpreter(monkeypatch):

@@ -1,0 +1,186 @@
+"""CUDA graphs for decode steps (SGLang's CudaGraphRunner; ``--cuda-graph-max-bs``,
+``--cuda-graph-bs``, ``--disable-cuda-graph``).
+
+At start, one graph per size in ``capture_sizes`` records a whole decode forward (embedding to
+logits) of a fixed :class:`ForwardBatch` of that many rows. A decode step of ``b`` requests then
+replays the smallest captured size ``bs >= b``: the step's tokens, positions, slots, request rows
+and lengths are copied into the fixed batch in place, the rows past ``b`` become padding (the
+pool's scratch request row: one key at the scratch slot 0, K/V written to slot 0), the attention
+backend refills its own fixed metadata buffers outside the graph
+(``init_forward_metadata_replay_cuda_graph``), and the graph runs with no Python and no kernel
+launches of its own. Larger batches, prompts and mixed steps run eagerly.
+
+The graphs share one memory pool and are captured largest first, so the smaller ones reuse the
+largest one's activations; that memory lies outside ``--mem-fraction-static`` (see sizing.py).
+
+``graph_cls`` swaps ``torch.cuda.CUDAGraph`` for :class:`EagerGraph` in the CPU tests: the same
+fixed buffers and padding, the forward re-run at each replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from contextlib import contextmanager
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.attention import forward_context
+
+WARMUP_RUNS = 2  # eager forwards before a capture: Triton compiles, cuBLAS picks its kernels
+
+
+GRAPH_OVERHEAD_BYTES = 64 << 20  # per-graph bookkeeping, the warm-up kernels' workspaces
+
+
+def estimate_graph_bytes(model_config, itemsize: int, max_bs: int) -> int:
+    """What the captured graphs are expected to hold: the largest one's activations (the others
+    reuse them): per row the widest layer intermediates (hidden states, q/k/v, the MLP's gate,
+    up and product) in the model's dtype plus its logits in that dtype and in float32."""
+    c = model_config
+    per_row = (6 * c.hidden_size + 3 * c.intermediate_size) * itemsize + c.vocab_size * (
+        itemsize + 4)
+    return max_bs * per_row + GRAPH_OVERHEAD_BYTES
+
+
+def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
+    """The batch sizes to capture: ``explicit`` (--cuda-graph-bs), else SGLang's ladder 1, 2, 4,
+    8, 12, 16, 24, 32, ... (steps of 8) up to ``max_bs``, which is always included."""
+    if explicit:
+        return sorted(set(explicit))
+    ladder = [1, 2, 4, 8, 12] + list(range(16, max_bs + 1, 8))
+    return sorted({s for s in ladder if s < max_bs} | {max_bs})
+
+
+class EagerGraph:
+    """torch.cuda.CUDAGraph's interface without a GPU: "capture" remembers the function and
+    "replay" runs it again, writing into the output captured the first time (CPU tests)."""
+
+    def __init__(self):
+        self.fn = None
+        self.out = None
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+class _CudaGraph:
+    """One torch.cuda.CUDAGraph, captured into the runner's shared memory pool."""
+
+    def __init__(self, pool):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn):
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, sizes: list[int], graph_cls=None):
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_bs = self.sizes[-1]
+        self.graph_cls = graph_cls
+        pool = runner.kv_pool
+        dev = pool.device
+
+        def buf(fill: int) -> torch.Tensor:
+            return torch.full((self.max_bs,), fill, dtype=torch.int64, device=dev)
+
+        # the fixed tensors every captured graph reads (a size's batch holds views of them)
+        self.input_ids, self.positions, self.out_cache_loc = buf(0), buf(0), buf(0)
+        self.req_pool_indices = buf(pool.scratch_row)
+        self.prefix_lens, self.seq_lens, self.extend_lens = buf(0), buf(1), buf(1)
+        self.logits_indices = torch.arange(self.max_bs, device=dev)
+        self.batches = {bs: self._fixed_batch(bs) for bs in self.sizes}
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+
+    def _fixed_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs], seq_lens=self.seq_lens[:bs],
+            req_to_token=self.runner.kv_pool.req_to_token, prefix_lens_list=[0] * bs,
+            extend_lens_list=[1] * bs, logits_indices=self.logits_indices[:bs])
+
+    def capture(self) -> float:
+        """Capture every size, largest first; returns the seconds it took."""
+        runner, backend = self.runner, self.runner.backend
+        start = time.perf_counter()
+        backend.init_cuda_graph_state(self.max_bs)
+        mempool = None if self.graph_cls else torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                batch = self.batches[bs]
+                backend.init_forward_metadata_capture_cuda_graph(bs, batch)
+
+                def forward(batch=batch):
+                    with forward_context(backend, batch):
+                        return runner.model(batch)
+
+                for _ in range(WARMUP_RUNS):
+                    forward()
+                if not self.graph_cls:
+                    torch.cuda.synchronize()
+                graph = self.graph_cls() if self.graph_cls else _CudaGraph(mempool)
+                self.outputs[bs] = graph.capture(forward)
+                self.graphs[bs] = graph
+        if not self.graph_cls:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [b, V] (the model's dtype) for the decode ``batch`` of b requests."""
+        b = batch.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        fixed = self.batches[bs]
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+        self.req_pool_indices[:b].copy_(batch.req_pool_indices)
+        self.prefix_lens[:b].copy_(batch.prefix_lens)
+        self.seq_lens[:b].copy_(batch.seq_lens)
+        if bs > b:  # padding rows: the scratch request, one key at slot 0, writing slot 0
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.out_cache_loc[b:bs].zero_()
+            self.req_pool_indices[b:bs].fill_(self.runner.kv_pool.scratch_row)
+            self.prefix_lens[b:bs].zero_()
+            self.seq_lens[b:bs].fill_(1)
+        fixed.prefix_lens_list[:] = [*batch.prefix_lens_list, *[0] * (bs - b)]
+        self.runner.backend.init_forward_metadata_replay_cuda_graph(bs, fixed)
+        self.graphs[bs].replay()
+        self.replays += 1
+        return self.outputs[bs][:b]
+
+
+@contextmanager
+def measure_cuda_memory(device):
+    """Yields a dict that gets ``used`` (bytes the block took from the GPU) and ``free`` after."""
+    info: dict = {}
+    if not str(device).startswith("cuda"):
+        yield info
+        return
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    yield info
+    torch.cuda.synchronize()
+    after = torch.cuda.mem_get_info()[0]
+    info.update(used=before - after, free=after, before=before)
