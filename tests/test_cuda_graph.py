@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import click
+import torch
 import pytest
 from click.testing import CliRunner
 
@@ -99,3 +100,17 @@ def test_a_cpu_start_says_graphs_are_off(tiny_model_factory, caplog):
                         max_total_tokens=256, cuda_graph_max_bs=8)
     assert engine.runner.cuda_graphs is None and engine.sizing.cuda_graph_max_bs == 0
     assert "cuda graph: off (CUDA graphs need a CUDA GPU; this is a CPU)" in caplog.messages
+
+
+def test_the_request_table_is_int32_and_counted(tiny_model_factory):
+    """req_to_token holds int32 slots, and its bytes (a row per running request + the scratch
+    row, context_len wide) are reported and taken from the KV budget."""
+    report = sizing(EngineConfig(max_model_len=8192), graph_bytes=None)
+    assert report.req_to_token_bytes == (report.max_running_requests + 1) * 8192 * 4
+    assert "request table 128.0 MiB (req_to_token)" in report.lines()[2]
+    from engine import Engine
+
+    engine = Engine(tiny_model_factory("LlamaForCausalLM"), device="cpu", max_total_tokens=256)
+    table = engine.runner.kv_pool.req_to_token
+    assert table.dtype == torch.int32
+    assert table.numel() * 4 == engine.sizing.req_to_token_bytes

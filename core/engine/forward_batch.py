@@ -25,7 +25,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor      # [B] int64: tokens already in the pool before this step
     extend_lens: torch.Tensor      # [B] int64: new tokens this step (1 for a decode)
     seq_lens: torch.Tensor         # [B] int64: prefix_lens + extend_lens
-    req_to_token: torch.Tensor     # [R, max_context] int64: position -> slot, shared with the pool
+    req_to_token: torch.Tensor     # [R, max_context] int32: position -> slot, shared with the pool
     prefix_lens_list: list[int]    # host copies, so metadata building never syncs a device
     extend_lens_list: list[int]
     logits_indices: torch.Tensor   # [B] int64: index in T of each request's last new token

@@ -41,7 +41,9 @@ class KVPool:
         self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
         self._top = self.num_pages  # _free_stack[:_top] are free; the top hands out low pages first
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64,
+        # int32 slots (a pool holds far fewer than 2^31): at 128k context and 4096 requests the
+        # table is 2 GiB, not 4; its bytes are in the sizing report (req_to_token_bytes)
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32,
                                         device=device)
         self.scratch_row = max_reqs  # stays all zeros: position -> the scratch slot 0
         self._free_reqs = list(range(max_reqs - 1, -1, -1))

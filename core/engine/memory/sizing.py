@@ -12,6 +12,7 @@ DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.3}
 DEFAULT_CHUNKED_PREFILL = {"cuda": 8192, "cpu": 512}
 # request-table rows: an upper bound on concurrently running requests
 REQUEST_POOL_SIZE = {"cuda": 4096, "cpu": 512}
+REQ_TO_TOKEN_ITEMSIZE = 4  # int32 slots
 # decode batches up to this many requests replay CUDA graphs unless --cuda-graph-max-bs says
 DEFAULT_CUDA_GRAPH_MAX_BS = 160
 
@@ -38,6 +39,8 @@ class SizingReport:
     # to take, which must fit outside mem_fraction_static
     cuda_graph_max_bs: int = 0
     cuda_graph_reserve_bytes: int = 0
+    # the request table (kv_pool.req_to_token: int32, a row per running request + scratch row)
+    req_to_token_bytes: int = 0
 
     def lines(self) -> list[str]:
         gib = 1 << 30
@@ -64,7 +67,8 @@ class SizingReport:
             f"KV pool {self.kv_pool_bytes / gib:.3f} GiB",
             f"max_running_requests={self.max_running_requests}, chunked_prefill_size="
             f"{self.chunked_prefill_size}, max_prefill_tokens={self.max_prefill_tokens}, "
-            f"context_len={self.context_length}, page_size={self.page_size}",
+            f"context_len={self.context_length}, page_size={self.page_size}, request table "
+            f"{self.req_to_token_bytes / (1 << 20):.1f} MiB (req_to_token)",
             *compare,
             *graphs,
         ]
@@ -95,10 +99,19 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION[kind]
     if config.mem_fraction_static is None and reserve and device.available_memory:
         fraction = min(fraction, int(1000 * (1 - reserve / device.available_memory)) / 1000)
+    context = config.max_model_len or model_context_len
+    if context > model_context_len:
+        raise EngineError(
+            f"--max-model-len {context} is longer than the model's max_position_embeddings "
+            f"({model_context_len}); its rotary embedding is not defined past that. Use at most "
+            f"{model_context_len}.")
+    # the request table comes out of the same budget; sized here for the most rows it can have
+    table_rows = (config.max_running_requests or REQUEST_POOL_SIZE[kind]) + 1
     if config.max_total_tokens is not None:
         total = config.max_total_tokens
     else:
-        budget = int(device.available_memory * fraction) - weight_bytes
+        budget = int(device.available_memory * fraction) - weight_bytes - (
+            table_rows * context * REQ_TO_TOKEN_ITEMSIZE)
         total = budget // kv_bytes_per_token
         if total < 1:
             raise EngineError(
@@ -111,12 +124,6 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     if total < page:
         raise EngineError(f"--max-total-tokens {total} is smaller than one page "
                           f"(--page-size {page}).")
-    context = config.max_model_len or model_context_len
-    if context > model_context_len:
-        raise EngineError(
-            f"--max-model-len {context} is longer than the model's max_position_embeddings "
-            f"({model_context_len}); its rotary embedding is not defined past that. Use at most "
-            f"{model_context_len}.")
     max_running = config.max_running_requests or max(1, min(total // 2, REQUEST_POOL_SIZE[kind]))
     graph_bs = min(graph_bs, max_running)
     reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
@@ -134,4 +141,5 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
         reference_kv_tokens=(total * kv_bytes_per_token // reference_kv[1]
                              if reference_kv else None),
         cuda_graph_max_bs=graph_bs, cuda_graph_reserve_bytes=reserve,
+        req_to_token_bytes=(max_running + 1) * context * REQ_TO_TOKEN_ITEMSIZE,
     )

@@ -92,7 +92,7 @@ class KVManager:
         else:  # a new page where the last one is full, else the last page's next slot
             slots = table[rows, (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
-        table[rows, pos] = slots
+        table[rows, pos] = slots.to(table.dtype)
         for r in reqs:
             r.alloc_len += 1
 

@@ -61,7 +61,7 @@ static inline void prefetch(const void *pool, int64_t slot, int64_t row, int64_t
 }
 
 static void attend(const float *qh, float *oh, const void *k_pool, const void *v_pool,
-                   int dtype, const int64_t *table, int64_t start, int64_t L, int64_t KVH,
+                   int dtype, const int32_t *table, int64_t start, int64_t L, int64_t KVH,
                    int64_t kh0, int64_t nkh, int64_t G, int64_t D, float scale, float k_scale,
                    float v_scale) {
     /* query heads kh0*G .. (kh0+nkh)*G-1 of one request; qh, oh point at head kh0*G */
@@ -120,7 +120,7 @@ static void attend(const float *qh, float *oh, const void *k_pool, const void *v
 
 int decode_attention(const float *q, float *out, const int64_t *q_tokens,
                      const void *k_pool, const void *v_pool, int dtype,
-                     const int64_t *req_to_token, int64_t table_stride,
+                     const int32_t *req_to_token, int64_t table_stride,
                      const int64_t *rows, const int64_t *seq_lens,
                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t window,
                      float scale, float k_scale, float v_scale, int nthreads) {

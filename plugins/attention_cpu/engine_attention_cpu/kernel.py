@@ -87,7 +87,7 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, q_tokens: torch.Tensor,
     seq_lens[b] keys of req_to_token[rows[b]])``, the last ``window`` of them with a window.
 
     q, out: float32 [T, H, D] contiguous; pools [slots, KVH, D] in a type of ``DTYPES``;
-    q_tokens, rows, seq_lens: int64 [B] contiguous; req_to_token: int64 [R, max_context].
+    q_tokens, rows, seq_lens: int64 [B] contiguous; req_to_token: int32 [R, max_context].
     """
     B = q_tokens.numel()
     T, H, D = q.shape
@@ -95,7 +95,8 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, q_tokens: torch.Tensor,
     for t in (q, out, k_pool, v_pool, req_to_token, q_tokens, rows, seq_lens):
         assert t.is_contiguous() and t.device.type == "cpu"
     assert q.dtype == out.dtype == torch.float32 and k_pool.dtype == v_pool.dtype
-    assert q_tokens.dtype == rows.dtype == seq_lens.dtype == req_to_token.dtype == torch.int64
+    assert q_tokens.dtype == rows.dtype == seq_lens.dtype == torch.int64
+    assert req_to_token.dtype == torch.int32
     status = load().decode_attention(
         q.data_ptr(), out.data_ptr(), q_tokens.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         DTYPES[k_pool.dtype], req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(),

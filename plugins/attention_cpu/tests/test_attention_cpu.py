@@ -156,7 +156,7 @@ def test_one_key_returns_its_value_exactly(dtype):
     k_pool = torch.zeros(2, 1, 8, dtype=dtype)
     v_pool = torch.zeros(2, 1, 8, dtype=dtype)
     v_pool[1, 0] = values
-    table = torch.tensor([[1, 0]])
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
     q, out = torch.randn(1, 1, 8), torch.empty(1, 1, 8)
     one = torch.tensor([0])
     kernel.decode_attention(q, out, one, k_pool, v_pool, table, one, torch.tensor([1]), None, 1.0)
