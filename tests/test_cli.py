@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from engine_cli.main import cli
 
 ENGINE = os.path.join(os.path.dirname(sys.executable), "engine")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_help_lists_subcommands_including_a_plugins_one():
@@ -52,3 +53,32 @@ def test_example_plugin_disappears_when_not_loaded():
     data = json.loads(subprocess.run([ENGINE, "plugins", "--json"], capture_output=True,
                                      text=True, env=env, timeout=120).stdout)
     assert "engine-example-plugin" not in {p["dist"] for p in data["plugins"]}
+
+
+def test_the_example_plugin_is_not_installed():
+    """`make install` users never get the tests' plugin: outside the tests' sys.path it is
+    gone (the suite finds it through tests/fixtures/example_plugin's dist-info)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    data = json.loads(subprocess.run([ENGINE, "plugins", "--json"], capture_output=True,
+                                     text=True, env=env, timeout=120).stdout)
+    dists = {p["dist"] for p in data["plugins"]}
+    assert "engine-policy-lpm" in dists and "engine-example-plugin" not in dists
+    assert "example_plugin" not in open(os.path.join(ROOT, "requirements-dev.txt")).read()
+
+
+def test_slow_tests_run_only_when_asked_for(tmp_path):
+    """The `slow` marker: deselected by the project's pytest options, selected by `-m slow`."""
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n\n@pytest.mark.slow\ndef test_long():\n    pass\n\n"
+        "def test_short():\n    pass\n")
+    config = os.path.join(ROOT, "pyproject.toml")
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "-c", config, "-p",
+                              "no:cacheprovider", "--rootdir", str(tmp_path), *args,
+                              str(tmp_path / "test_marked.py")], capture_output=True, text=True,
+                             timeout=120)
+        return out.stdout.strip().splitlines()[-1]
+
+    assert "1 passed, 1 deselected" in run()
+    assert "1 passed, 1 deselected" in run("-m", "slow")

@@ -114,6 +114,25 @@ def test_bad_requests_are_refused_clearly(engine):
     assert not engine.scheduler.has_work
 
 
+def test_token_id_prompts_one_or_many(engine):
+    """A list of ints is one prompt (as ``prompt`` or ``input_ids``); a list of lists is many;
+    text and token ids of the same prompt give the same tokens."""
+    greedy = {"max_new_tokens": 4, "temperature": 0.0}
+    ids = engine.tokenize("Hello there")
+    one = engine.generate(ids, greedy)
+    assert isinstance(one, dict) and len(one["output_ids"]) == 4
+    assert engine.generate(input_ids=ids, sampling_params=greedy)["output_ids"] == one["output_ids"]
+    assert engine.generate("Hello there", greedy)["output_ids"] == one["output_ids"]
+    many = engine.generate([ids, ids[:2]], greedy)
+    assert isinstance(many, list) and len(many) == 2 and many[0]["output_ids"] == one["output_ids"]
+    assert len(engine.generate(["Hello there", "Hi"], greedy)) == 2
+    with pytest.raises(RequestError, match="got none"):
+        engine.generate([])
+    with pytest.raises(RequestError, match="not both"):
+        engine.generate("x", input_ids=[1])
+    assert not engine.scheduler.has_work
+
+
 def test_engine_seed_makes_unseeded_sampling_repeatable(tiny_model_factory):
     def sample(seed):
         engine = Engine(tiny_model_factory("llama"), max_total_tokens=500, seed=seed)

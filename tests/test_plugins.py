@@ -117,3 +117,93 @@ def test_engine_plugins_allow_list_and_disable():
     no_example = json.loads(run_engine("plugins", "--json",
                                        env={"ENGINE_DISABLE_PLUGINS": "example_plugin"}).stdout)
     assert "lifo" not in [p["name"] for p in no_example["policies"]]
+
+
+# -- the example plugin's backend, option and observer, through a real Engine ----------------
+def test_a_plugin_backend_gets_its_serve_option_and_observers_see_every_step(tiny_model_factory,
+                                                                           tmp_path):
+    import engine_example_plugin as example
+    from engine import Engine
+    from engine_cli.main import cli
+    from click.testing import CliRunner
+
+    path = tiny_model_factory("LlamaForCausalLM")
+    before = len(example.SEEN_STEPS)
+    engine = Engine(path, device="cpu", max_total_tokens=256, attention_backend="example_native",
+                    plugin_options={"example_plugin": {"example_tag": "blue"}})
+    assert example.BACKENDS[-1].ctx.options == {"example_tag": "blue"}
+    engine.generate(["one two", "three"], {"max_new_tokens": 5, "ignore_eos": True})
+    steps = [s.step for s in example.SEEN_STEPS[before:]]
+    assert steps == list(range(steps[0], steps[0] + len(steps))) and len(steps) >= 5
+    assert len(steps) == engine.scheduler.step_no  # this engine's every step, none missed
+    # the same through the CLI flag the plugin registered
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hello"}\n')
+    out = CliRunner().invoke(cli, ["generate", "--model", path, "--device", "cpu",
+                                   "--max-total-tokens", "256", "--attention-backend",
+                                   "example_native", "--example-tag", "red", "--max-new-tokens",
+                                   "2", "--input", str(tmp_path / "in.jsonl"), "--output",
+                                   str(tmp_path / "out.jsonl")])
+    assert out.exit_code == 0, out.output
+    assert example.BACKENDS[-1].ctx.options == {"example_tag": "red"}
+
+
+def test_a_raising_observer_is_logged_and_the_engine_goes_on(tiny_model_factory, caplog):
+    import logging
+
+    from engine import Engine
+    from engine.plugins import load_plugins
+
+    class Raiser:
+        @hookimpl
+        def engine_started(self, engine):
+            raise RuntimeError("start boom")
+
+        @hookimpl
+        def step_finished(self, stats):
+            raise ValueError("step boom")
+
+    pm = load_plugins()
+    pm.register(Raiser(), name="raiser")
+    try:
+        with caplog.at_level(logging.ERROR, logger="engine"):
+            engine = Engine(tiny_model_factory("LlamaForCausalLM"), device="cpu",
+                            max_total_tokens=256)
+            out = engine.generate("hi", {"max_new_tokens": 4, "ignore_eos": True})
+    finally:
+        pm.unregister(name="raiser")
+    assert len(out["output_ids"]) == 4
+    errors = [r.getMessage() for r in caplog.records if "raiser" in r.getMessage()]
+    assert errors == [
+        "plugin raiser: its engine_started hook raised RuntimeError: start boom; ignored "
+        "(logged once)",
+        "plugin raiser: its step_finished hook raised ValueError: step boom; ignored "
+        "(logged once)"]
+
+
+def test_select_attention_backend_gets_the_model_config(tiny_model_factory):
+    """A platform plugin's select_attention_backend sees the checkpoint's ModelConfig (and the
+    KV dtype, page size and registries under resolution) and its answer is taken."""
+    from engine import Engine
+    from engine.plugins import load_plugins
+
+    seen = {}
+
+    class Picker:
+        @hookimpl
+        def select_attention_backend(self, device, model_config, kv_dtype, page_size,
+                                     registries):
+            seen.update(arch=model_config.architecture, layers=model_config.num_layers,
+                        kv=kv_dtype, page=page_size, has_torch_native="torch_native" in
+                        registries.attention)
+            return "torch_native"
+
+    pm = load_plugins()
+    pm.register(Picker(), name="picker")
+    try:
+        engine = Engine(tiny_model_factory("LlamaForCausalLM"), device="cpu",
+                        max_total_tokens=256)
+    finally:
+        pm.unregister(name="picker")
+    assert engine.attention_backend == "torch_native"  # the cpu plugin would win otherwise
+    assert seen == {"arch": "LlamaForCausalLM", "layers": engine.runner.model_config.num_layers,
+                    "kv": "auto", "page": None, "has_torch_native": True}

@@ -52,8 +52,9 @@ def test_unavailable_backend_says_why(regs):
     msg = str(err.value)
     assert msg.startswith("'flashinfer' (engine-attention-flashinfer 0.1.0) is installed but "
                           "unusable here: needs an NVIDIA GPU with compute capability >= 8.0")
-    # triton too where Triton's interpreter is on (TRITON_INTERPRET=1, as the tests set it)
-    assert re.search(r"Usable: cpu, torch_native(, triton)?\.$", msg), msg
+    # triton too where Triton's interpreter is on (TRITON_INTERPRET=1, as the tests set it);
+    # example_native is the tests' example plugin's
+    assert re.search(r"Usable: cpu, example_native, torch_native(, triton)?\.$", msg), msg
 
 
 def test_fa3_on_hopper_without_kernels_names_the_extra(regs):
@@ -105,6 +106,10 @@ def test_auto_on_cpu_with_the_core_alone_picks_torch_native(core_only):
     pm = new_plugin_manager()
     register_builtins(pm, {})
     assert resolve_attention_backend(core_only, "auto", CPU, pm=pm).name == "torch_native"
+    # the hook ranks the registries under test: with the core alone even a GPU gets
+    # torch_native (the process-wide registries hold triton, which would win there)
+    assert "triton" not in core_only.attention
+    assert resolve_attention_backend(core_only, "auto", H100, pm=pm).name == "torch_native"
 
 
 def test_auto_on_hopper_without_kernels_is_not_a_silent_fallback_to_fa3(regs):
@@ -117,7 +122,7 @@ def test_auto_on_hopper_without_kernels_is_not_a_silent_fallback_to_fa3(regs):
     assert entry.name == ("triton" if has_triton else "torch_native")
 
 
-def test_auto_on_a_gpu_orders_the_other_backends_by_priority(monkeypatch):
+def test_auto_on_a_gpu_orders_the_other_backends_by_priority():
     """After the guide's pick for the architecture (none usable here), the registered
     priorities order the candidates; torch_native (priority 0) comes last."""
     class Backends:
@@ -132,7 +137,6 @@ def test_auto_on_a_gpu_orders_the_other_backends_by_priority(monkeypatch):
     register_builtins(pm, infos)
     pm.register(Backends(), name="backends")
     regs = build_registries(pm, infos)
-    monkeypatch.setattr("engine.plugins.get_registries", lambda: regs)  # what the hook reads
     assert resolve_attention_backend(regs, "auto", H100, pm=pm).name == "high"
     assert resolve_attention_backend(regs, "auto", H100, "fp16", pm=pm).name == "fp16_only"
     # on a CPU the core's answer stays torch_native

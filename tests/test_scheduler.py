@@ -225,3 +225,187 @@ def test_many_finishing_in_one_step_and_aborts_keep_the_invariants(model):
     assert reqs[0].finish_reason == "abort"
     assert [len(r.output_ids) for r in reqs[1:]] == [4 + i % 2 for i in range(1, 12)]
     assert_all_free(engine)
+
+
+# -- the KV owner (engine.scheduler.kv.KVManager), without a model ------------------------------
+
+def kv_manager(page_size=1, num_tokens=64, max_reqs=4, cache=True):
+    import torch
+
+    from engine.memory.kv_pool import KVPool
+    from engine.memory.radix_cache import RadixCache
+    from engine.scheduler.kv import KVManager
+
+    pool = KVPool(1, 1, 2, num_tokens, torch.float32, page_size=page_size, max_reqs=max_reqs,
+                  max_context_len=64)
+    return KVManager(pool, RadixCache(pool.free_slots_of, page_size) if cache else None)
+
+
+def kv_req(prompt, max_new=8):
+    from types import SimpleNamespace
+
+    from engine.scheduler.request import Req
+
+    return Req(f"r{prompt[:3]}", list(prompt), SimpleNamespace(max_new_tokens=max_new))
+
+
+def assert_kv_consistent(kv, running):
+    """The slot invariant, and more: every page is free, the tree's or one request's (never
+    two), each row's cached part is the tree's slots along its locked path, and every node is
+    locked exactly as often as running requests hold paths through it."""
+    kv.check(running)
+    pool, cache, page = kv.pool, kv.cache, kv.page
+    owners = [pool._free_stack[:pool._top].tolist()]
+    locks, stack = {}, [cache.root] if cache else []
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            owners.append((child.value // page).unique().tolist())
+            locks[child] = 0
+            stack.append(child)
+    for r in running:
+        row = pool.req_to_token[r.row]
+        owners.append((row[r.cached_len:r.alloc_len] // page).unique().tolist())
+        path, node = [], r.last_node
+        while cache and node is not cache.root:
+            path.insert(0, node.value)
+            locks[node] += 1
+            node = node.parent
+        assert sum(map(len, path)) == r.cached_len
+        if path:
+            assert row[:r.cached_len].tolist() == [int(s) for v in path for s in v]
+    pages = [p for group in owners for p in group]
+    assert sorted(pages) == list(range(1, pool.num_pages + 1)), "a page lost or shared"
+    assert all(node.lock_ref == n for node, n in locks.items()), "locks unbalanced"
+
+
+@pytest.mark.parametrize("page_size, cache", [(1, True), (4, True), (4, False)])
+def test_kv_manager_operations_keep_the_invariant_and_balance_the_locks(page_size, cache):
+    rng = random.Random(page_size)
+    kv = kv_manager(page_size, num_tokens=96, cache=cache)
+    system = ids(5, 12)
+    running, finished = [], 0
+    for _ in range(400):
+        op, r = rng.random(), None
+        if op < 0.3:  # admit a request, maybe with the shared system prompt
+            r = kv_req((system if rng.random() < 0.6 else []) + ids(rng.randrange(99), 9))
+            prefix = kv.match(r)
+            n = rng.randint(1, r.seq_len - len(prefix.slots))
+            if kv.admit(r, prefix, n):
+                assert (r.kv_len, r.alloc_len - r.kv_len) == (len(prefix.slots), n)
+                kv.computed([], [(r, n)])
+                running.append(r)
+            else:
+                assert r.row is None and r.last_node is None
+                r = None
+        elif op < 0.6 and running:  # a prompt chunk of one request
+            r = rng.choice(running)
+            if r.prefilling:
+                n, before = rng.randint(1, r.seq_len - r.kv_len), r.kv_len
+                if kv.grow(r, n):
+                    kv.computed([], [(r, n)])
+                    assert r.kv_len == r.alloc_len == before + n
+        elif op < 0.8:  # a decode step of every decoding request, in one go
+            decodes = [r for r in running if not r.prefilling]
+            if kv.ensure_free(kv.decode_slots_needed(decodes)):
+                kv.grow_decodes(decodes)
+                kv.computed(decodes, [])
+                for r in decodes:
+                    assert r.kv_len == r.alloc_len == r.seq_len
+                    r.append_token(rng.randrange(3, 500))
+            r = None
+        elif running:  # finish (the prefix stays cached) or retract (nothing cached)
+            r = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.7:
+                kv.release(r)
+            else:
+                kv.retract(r)
+            assert (r.row, r.last_node, r.kv_len, r.alloc_len, r.cached_len) == (None, None, 0,
+                                                                                   0, 0)
+            finished += 1
+            r = None
+        if r is not None and r.kv_len == r.seq_len:  # its K/V is complete: sample a token
+            r.append_token(rng.randrange(3, 500))
+        assert_kv_consistent(kv, running)
+    assert finished > 20
+    for r in running:
+        kv.release(r)
+    assert_kv_consistent(kv, [])
+    assert kv.cache is None or (kv.cache.protected_size == 0 and kv.cache.flush())
+    assert kv.pool.free_slots == kv.pool.size and kv.pool.free_reqs == kv.pool.max_reqs
+
+
+def test_kv_manager_admit_is_all_or_nothing():
+    kv = kv_manager(num_tokens=32, max_reqs=2)
+    a = kv_req(ids(1, 21))
+    assert kv.admit(a, kv.match(a), 20)
+    kv.computed([], [(a, 20)])
+    kv.release(a)  # its 20 tokens stay cached, unlocked
+    c = kv_req(ids(9, 5))
+    assert kv.admit(c, kv.match(c), 5) and kv.pool.free_slots == 7
+    b = kv_req(ids(1, 20) + ids(2, 11))
+    prefix = kv.match(b)
+    assert len(prefix.slots) == 20
+    assert kv.available() == 7 + 20
+    assert kv.available(prefix.node) == 7  # admitting b protects its prefix from eviction
+    # 10 more slots only fit by evicting b's own prefix: refused, holding no row and no lock
+    assert not kv.admit(b, prefix, 10)
+    assert (b.row, b.last_node, b.alloc_len) == (None, None, 0)
+    assert kv.cache.protected_size == 0 and kv.cache.total_size == 20
+    assert kv.pool.free_reqs == 1 and kv.pool.free_slots == 7
+    d = kv_req(ids(3, 3))
+    assert kv.admit(d, kv.match(d), 2)  # the last row
+    e = kv_req(ids(1, 20) + ids(4, 2))
+    assert not kv.admit(e, kv.match(e), 1)  # no row: nothing taken, nothing locked
+    assert e.row is None and kv.cache.protected_size == 0 and kv.pool.free_slots == 5
+    assert_kv_consistent(kv, [c, d])
+
+
+def test_kv_manager_frees_a_prompt_computed_twice_and_shares_the_trees_copy():
+    kv = kv_manager()
+    prompt = ids(4, 17)
+    a, b = kv_req(prompt), kv_req(prompt)
+    for r in (a, b):  # both admitted before either is cached: each computes all 16 tokens
+        assert kv.admit(r, kv.match(r), 16)
+    kv.computed([], [(a, 16), (b, 16)])
+    table = kv.pool.req_to_token
+    assert table[b.row, :16].tolist() == table[a.row, :16].tolist()  # b now reads a's slots
+    assert a.last_node is b.last_node and a.last_node.lock_ref == 2
+    assert kv.pool.free_slots == kv.pool.size - 16  # b's 16 duplicates went back to the pool
+    assert_kv_consistent(kv, [a, b])
+    kv.retract(b)
+    kv.release(a)
+    assert_kv_consistent(kv, [])
+    assert kv.cache.total_size == 16 and kv.cache.protected_size == 0
+
+
+def verdicts_of_first_step(engine, prompts, **params):
+    """The admission verdicts of the first step, in the order requests were tried."""
+    s, seen = engine.scheduler, []
+    try_admit = s._try_admit
+    s._try_admit = lambda *a: seen.append(try_admit(*a)) or seen[-1]
+    for p in prompts:
+        engine.add_request(p, {**GREEDY, "max_new_tokens": 3, **params})
+    engine.step()
+    del s._try_admit
+    while s.has_work:
+        engine.step()
+    s.check_invariants()
+    return [v.name for v in seen]
+
+
+@pytest.mark.parametrize("kw, prompts, params, expected", [
+    ({"max_running_requests": 2}, [ids(1, 8), ids(2, 8), ids(3, 8)], {},
+     ["ADMITTED", "ADMITTED", "BATCH_FULL"]),
+    ({"chunked_prefill_size": 16}, [ids(1, 40), ids(2, 8)], {}, ["CHUNKED"]),
+    ({"chunked_prefill_size": 16}, [ids(1, 16), ids(2, 8)], {}, ["ADMITTED", "NO_BUDGET"]),
+    ({}, [ids(1, 10)], {"n": 2}, ["ADMITTED", "WAITS"]),  # the 2nd sample waits for the 1st
+    ({}, [ids(1, 40) + [5], ids(1, 40) + [6]], {}, ["ADMITTED", "WAITS"]),  # in-batch prefix
+    ({"max_total_tokens": 200}, [ids(1, 50), ids(2, 50)], {"max_new_tokens": 100},
+     ["ADMITTED", "NO_ROOM"]),  # 200 - 50 - 0.7 x 100 reserved < 50 + 0.7 x 100
+])
+def test_admission_verdicts_say_why_a_request_was_not_admitted(model, kw, prompts, params,
+                                                                expected):
+    engine = make(model, **kw)
+    assert verdicts_of_first_step(engine, prompts, **params) == expected
+    assert_all_free(engine)

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from engine.server.openai import ChatCompletionResponse, CompletionResponse, ModelList
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,6 +75,39 @@ def stop_with_requests_in_flight(s):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_factory):
+    """The served checkpoint in HF transformers (float32, eager), and its tokenizer."""
+    import transformers
+
+    path = tiny_model_factory("llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, transformers.AutoTokenizer.from_pretrained(path)
+
+
+def hf_greedy(hf, ids: list[int], n: int, penalize=None) -> tuple[list[int], list]:
+    """HF's greedy continuation of ``ids``: the ``n`` tokens and, per step, the log-softmax of
+    the raw logits. ``penalize(logits, prompt, output)`` edits the logits before the argmax."""
+    model, _ = hf
+    out, rows = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1].double()
+            rows.append(torch.log_softmax(logits, -1))
+            if penalize is not None:
+                logits = penalize(logits.clone(), ids, out)
+            out.append(int(logits.argmax()))
+    return out, rows
+
+
+def chat_ids(hf, messages: list[dict]) -> list[int]:
+    """The prompt ids the chat route builds (the template writes its own BOS)."""
+    tok = hf[1]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
 
 
 def get(server, path: str, **kw) -> httpx.Response:
@@ -137,7 +171,7 @@ def test_n_choices(client):
     assert len(chat.choices) == 2
 
 
-def test_logprobs(client):
+def test_logprobs(client, hf):
     out = client.completions.create(model=MODEL, prompt="The", max_tokens=4, logprobs=2,
                                     temperature=0)
     lp = out.choices[0].logprobs
@@ -149,9 +183,31 @@ def test_logprobs(client):
                                           max_tokens=3, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    # the values are HF's log-softmax of the raw logits, chosen token and top 2 alike
+    tok = hf[1]
+    ids, rows = hf_greedy(hf, tok("The").input_ids, 4)
+    for t, row, piece, value, top in zip(ids, rows, lp.tokens, lp.token_logprobs,
+                                         lp.top_logprobs, strict=True):
+        assert piece == tok.decode([t]) and value == pytest.approx(row[t].item(), abs=2e-4)
+        best = row.topk(2)
+        expected = {tok.decode([i]): v for i, v in zip(best.indices.tolist(),
+                                                        best.values.tolist())}
+        assert top.keys() == expected.keys()
+        assert list(top.values()) == pytest.approx(list(expected.values()), abs=2e-4)
+    greedy_chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
+        top_logprobs=2, temperature=0).choices[0].logprobs.content
+    ids, rows = hf_greedy(hf, chat_ids(hf, [{"role": "user", "content": "x"}]), 3)
+    for t, row, item in zip(ids, rows, greedy_chat, strict=True):
+        assert item.token == tok.decode([t])
+        assert item.logprob == pytest.approx(row[t].item(), abs=2e-4)
+        best = row.topk(2)
+        assert [x.token for x in item.top_logprobs] == [tok.decode([i]) for i in best.indices]
+        assert [x.logprob for x in item.top_logprobs] == pytest.approx(best.values.tolist(),
+                                                                      abs=2e-4)
 
 
-def test_echo_logprobs_score_the_prompt(client):
+def test_echo_logprobs_score_the_prompt(client, hf):
     """What loglikelihood harnesses do: the prompt's token logprobs via echo + max_tokens 0."""
     first = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=1,
                                       logprobs=1, temperature=0)
@@ -159,6 +215,14 @@ def test_echo_logprobs_score_the_prompt(client):
                                     logprobs=0).choices[0].logprobs
     assert ids.token_logprobs[0] is None and ids.top_logprobs[0] is None
     assert all(x <= 0 for x in ids.token_logprobs[1:])
+    # each prompt token's logprob is HF's log-softmax at the position before it
+    model, tok = hf
+    prompt = tok("Once upon").input_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+    expected = [logprobs[i, t].item() for i, t in enumerate(prompt[1:])]
+    assert ids.tokens == [tok.decode([t]) for t in prompt]
+    assert ids.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
     scored = client.completions.create(model=MODEL, prompt="Once upon" + first.choices[0].text,
                                        max_tokens=0, echo=True, logprobs=1)
     choice = scored.choices[0]
@@ -175,6 +239,50 @@ def test_seed_reproducible(client):
 
     assert sample(7) == sample(7)
     assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_seeded_requests_alone_and_in_a_crowd_agree(server):
+    """A seeded sampled request gives the same text alone and inside a crowd of other requests
+    (sampled, seeded, greedy, n > 1, other lengths) joining the same batches, on every route."""
+    seeded = [("/v1/completions", {"prompt": "Seeded", "max_tokens": 10, "temperature": 1.0,
+                                   "seed": 7}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Seeded"}],
+                                        "max_tokens": 10, "temperature": 1.0, "seed": 7}),
+              ("/generate", {"text": "Seeded", "sampling_params": {
+                  "max_new_tokens": 10, "temperature": 1.0, "seed": 7}})]
+
+    def text(path: str, answer: dict) -> str:
+        if path == "/generate":
+            return answer["text"]
+        choice = answer["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+    alone = [text(path, post(server, path, body).json()) for path, body in seeded]
+    crowd = []
+    for i in range(24):
+        body = {"prompt": f"crowd {i} " * (1 + i % 4), "max_tokens": 4 + i % 9,
+                "ignore_eos": True, "temperature": [1.0, 0.0, 0.7][i % 3]}
+        if i % 4 == 1:
+            body["seed"] = i
+        if i % 5 == 2:
+            body["n"] = 2
+        crowd.append(("/v1/completions", body))
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=server.headers) as http:
+            async def send(path, body, delay):
+                await asyncio.sleep(delay)
+                r = await http.post(server.url + path, json=body)
+                assert r.status_code == 200, r.text
+                return text(path, r.json())
+
+            first = [send(p, b, 0) for p, b in crowd[:12]]  # running when the seeded ones come
+            mine = [send(p, b, 0.05) for p, b in seeded]
+            later = [send(p, b, 0.1) for p, b in crowd[12:]]
+            return await asyncio.gather(*first, *mine, *later)
+
+    results = asyncio.run(asyncio.wait_for(main(), 120))
+    assert results[12:15] == alone
 
 
 def test_bad_request_is_an_openai_error(client):
@@ -203,7 +311,10 @@ def test_stop_string_in_stream(server, client):
 
 
 def test_generate_route(server):
-    one = post(server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 3}})
+    # ignore_eos: this request samples from the server's global RNG, whose draws depend on
+    # every unseeded request before it, and an EOS would end it early
+    one = post(server, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 3,
+                                                                      "ignore_eos": True}})
     assert one.status_code == 200, one.text
     assert len(one.json()["output_ids"]) == 3
     batch = post(server, "/generate", {"input_ids": [[0, 5, 6], [0, 7]],
@@ -233,6 +344,90 @@ def test_info_routes(server, client):
     ref = body["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
     assert "messages" in spec["components"]["schemas"][ref]["properties"]
     assert {"/v1/completions", "/generate", "/metrics", "/health"} <= set(spec["paths"])
+
+
+def test_flush_cache_empties_the_prefix_cache(server):
+    wait_idle(server)
+    prompt = "A prompt long enough to leave a cached prefix behind it, " * 2
+
+    def cached_tokens() -> int:
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    flushed = post(server, "/flush_cache", {})
+    assert flushed.status_code == 200 and flushed.json() == {"message": "Cache flushed."}
+    state = get(server, "/get_server_info").json()["internal_states"][0]
+    assert state["kv_pool"]["cached_slots"] == 0
+    assert state["kv_pool"]["free_slots"] == state["kv_pool"]["total_slots"]
+    assert cached_tokens() == 0
+
+
+PENALTIES = {  # the sampler's rules, applied to HF's logits
+    "presence_penalty": lambda x, prompt, out: x.index_add(
+        0, torch.tensor(sorted(set(out)), dtype=torch.long),
+        torch.full((len(set(out)),), -2.0, dtype=x.dtype)) if out else x,
+    "frequency_penalty": lambda x, prompt, out: x.index_add(
+        0, torch.tensor(out, dtype=torch.long),
+        torch.full((len(out),), -2.0, dtype=x.dtype)) if out else x,
+    "repetition_penalty": lambda x, prompt, out: _repetition(x, set(prompt + out), 3.0),
+}
+PENALTY_VALUES = {"presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 3.0}
+
+
+def _repetition(x, seen, penalty):
+    idx = torch.tensor(sorted(seen), dtype=torch.long)
+    v = x[idx]
+    x[idx] = torch.where(v < 0, v * penalty, v / penalty)
+    return x
+
+
+def generated(server, route: str, prompt: str, params: dict) -> tuple[str, list | None]:
+    """(text, output ids or None) of one request on ``route`` with sampling ``params``
+    (SamplingParams names; max_new_tokens becomes max_tokens on the OpenAI routes)."""
+    if route == "/generate":
+        r = post(server, route, {"text": prompt, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()["text"], r.json()["output_ids"]
+    body = {("max_tokens" if k == "max_new_tokens" else k): v for k, v in params.items()}
+    if route == "/v1/completions":
+        r = post(server, route, {"prompt": prompt, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], None
+    r = post(server, route, {"messages": [{"role": "user", "content": prompt}], **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], None
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_penalties_and_min_p_act_on_every_route(server, hf, route):
+    """Each penalty changes the greedy text exactly as HF's logits, penalized by the sampler's
+    rule, predict; min_p 1 at temperature 1 keeps only the most likely token: greedy, whatever
+    the seed (and the same requests without it are not)."""
+    tok = hf[1]
+    prompt = "the the the of of"
+    ids = (chat_ids(hf, [{"role": "user", "content": prompt}]) if route == "/v1/chat/completions"
+           else tok(prompt).input_ids)
+    n = 12
+    base = {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}
+    plain, _ = hf_greedy(hf, ids, n)
+    text, out = generated(server, route, prompt, base)
+    assert text == tok.decode(plain, skip_special_tokens=True) and out in (None, plain)
+    for name, rule in PENALTIES.items():
+        expected, _ = hf_greedy(hf, ids, n, rule)
+        assert expected != plain, name  # the prompt is one where the penalty matters
+        text, out = generated(server, route, prompt, {**base, name: PENALTY_VALUES[name]})
+        assert text == tok.decode(expected, skip_special_tokens=True), name
+        assert out in (None, expected), name
+    greedy = tok.decode(plain, skip_special_tokens=True)
+    sampled = {**base, "temperature": 1.0}
+    for seed in (1, 2, 3):
+        assert generated(server, route, prompt, {**sampled, "min_p": 1.0, "seed": seed})[0] \
+            == greedy, seed
+    assert any(generated(server, route, prompt, {**sampled, "seed": seed})[0] != greedy
+               for seed in (1, 2, 3))
 
 
 def test_api_key(server):

@@ -146,6 +146,15 @@ ENGINE_OPTIONS = [
                  help="The exact decode batch sizes to capture, e.g. \"1,2,4,8,16\"."),
     click.option("--disable-cuda-graph", "--enforce-eager", "disable_cuda_graph", is_flag=True,
                  help="Run every decode step eagerly (no CUDA graphs)."),
+    # vLLM's spellings of the same knobs (both spellings with different values: an error)
+    click.option("--gpu-memory-utilization", type=float,
+                 help="vLLM's name for --mem-fraction-static."),
+    click.option("--max-num-seqs", type=int, help="vLLM's name for --max-running-requests."),
+    click.option("--max-num-batched-tokens", type=int,
+                 help="vLLM's: tokens per step with chunked prefill (= --chunked-prefill-size); "
+                      "prompt tokens per step without it (= --max-prefill-tokens)."),
+    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
+                 help="vLLM's: --no-enable-chunked-prefill = --chunked-prefill-size -1."),
     click.option("--seed", default=_D.seed, type=int),
 ]
 

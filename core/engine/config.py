@@ -11,6 +11,9 @@ class ConfigError(EngineError, ValueError):
     pass
 
 
+_DEFAULT_MAX_PREFILL_TOKENS = 16384
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
@@ -30,7 +33,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     schedule_conservativeness: float = 1.0
     chunked_prefill_size: int | None = None  # None: per-device default; -1 disables chunking
-    max_prefill_tokens: int = 16384
+    max_prefill_tokens: int = _DEFAULT_MAX_PREFILL_TOKENS
     disable_radix_cache: bool = False
     decode_log_interval: int = 40
     max_queued_requests: int | None = None
@@ -46,11 +49,21 @@ class EngineConfig:
     dp_size: int = 1
     seed: int = 0
     plugin_options: dict = field(default_factory=dict)
+    # vLLM's spellings (validate() folds each into the SGLang knob above; both with different
+    # values is an error naming both)
+    gpu_memory_utilization: float | None = None  # = mem_fraction_static
+    max_num_seqs: int | None = None  # = max_running_requests
+    # with chunked prefill (vLLM's default) the token budget of a step = chunked_prefill_size;
+    # without it, the prompt tokens of a step = max_prefill_tokens
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None  # False = chunked_prefill_size -1
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str):
             if not ok:
                 raise ConfigError(msg)
+
+        self._fold_vllm_spellings(need)
 
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
@@ -60,7 +73,8 @@ class EngineConfig:
              f"--page-size must be >= 1, got {self.page_size}")
         if self.mem_fraction_static is not None:
             need(0 < self.mem_fraction_static < 1,
-                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+                 f"--mem-fraction-static (--gpu-memory-utilization) must be in (0, 1), got "
+                 f"{self.mem_fraction_static}")
         for name in ("max_total_tokens", "max_running_requests", "max_model_len",
                      "max_queued_requests"):
             value = getattr(self, name)
@@ -86,6 +100,34 @@ class EngineConfig:
         need(self.dp_size == 1,
              f"--dp-size {self.dp_size}: data parallelism is not implemented yet; use 1")
         return self
+
+    def _fold_vllm_spellings(self, need) -> None:
+        def same(ours: str, theirs: str, value, default=None) -> None:
+            """Set knob ``ours`` from vLLM's ``theirs`` (``value``), unless it is already set to
+            something else (``default``: what "not set" looks like)."""
+            if value is None:
+                return
+            current = getattr(self, ours)
+            need(current in (default, value),
+                 f"--{ours.replace('_', '-')} {current} and --{theirs.replace('_', '-')} {value} "
+                 f"set the same knob to different values; give one of them.")
+            setattr(self, ours, value)
+
+        same("mem_fraction_static", "gpu_memory_utilization", self.gpu_memory_utilization)
+        same("max_running_requests", "max_num_seqs", self.max_num_seqs)
+        chunked, batched = self.enable_chunked_prefill, self.max_num_batched_tokens
+        if chunked is False:
+            need(self.chunked_prefill_size in (None, -1),
+                 f"--no-enable-chunked-prefill and --chunked-prefill-size "
+                 f"{self.chunked_prefill_size} contradict each other; give one of them.")
+            self.chunked_prefill_size = -1
+            same("max_prefill_tokens", "max_num_batched_tokens", batched,
+                 default=_DEFAULT_MAX_PREFILL_TOKENS)
+        else:
+            need(not (chunked and self.chunked_prefill_size == -1),
+                 "--enable-chunked-prefill and --chunked-prefill-size -1 contradict each other; "
+                 "give one of them.")
+            same("chunked_prefill_size", "max_num_batched_tokens", batched)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -31,7 +31,7 @@ class Engine:
         from engine.models import default
         from engine.models.checkpoint import open_checkpoint
         from engine.models.config import ModelConfig
-        from engine.plugins import get_registries, load_plugins
+        from engine.plugins import call_observers, get_registries, load_plugins
         from engine.registry import (default_page_size, resolve_attention_backend,
                                      resolve_kv_dtype, resolve_policy, resolve_quantization)
 
@@ -44,19 +44,20 @@ class Engine:
         # resolve every name before loading anything, so that mistakes fail fast
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
+        self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
+        model_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models)
+        hf_config = model_config.hf_config
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
-                                               config.kv_cache_dtype, pm=pm,
+                                               config.kv_cache_dtype, model_config, pm=pm,
                                                page_size=config.page_size)
         if config.page_size is None:  # the backend's own default (trtllm_mha: 64), else 1
             config.page_size = default_page_size(attn_entry)
-        self.checkpoint = open_checkpoint(model_path)
-        hf_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models).hf_config
         # --quantization, or the method the checkpoint declares (then logged as detected)
         quant_entry = resolve_quantization(regs, config.quantization, self.device, hf_config)
         self.attention_backend = attn_entry.name
         self.quantization = quant_entry.name if quant_entry else None
         self._build(regs, policy_entry, kv_entry, attn_entry, quant_entry)
-        pm.hook.engine_started(engine=self)
+        call_observers(pm.hook.engine_started, engine=self)
 
     def _build(self, regs, policy_entry, kv_entry, attn_entry, quant_entry) -> None:
         import torch
@@ -66,7 +67,7 @@ class Engine:
         from engine.memory.radix_cache import RadixCache
         from engine.memory.sizing import plan
         from engine.models.checkpoint import load_tokenizer_dir
-        from engine.plugins import pm
+        from engine.plugins import call_observers, pm
         from engine.runner import ModelRunner
         from engine.scheduler.kv import KVManager
         from engine.scheduler.scheduler import Scheduler
@@ -78,6 +79,8 @@ class Engine:
         self.runner = runner = ModelRunner(
             ckpt, registries=regs, device=self.device, dtype=config.dtype,
             attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
+            # the backend's plugin's own serve options (EngineOption), as BackendContext.options
+            backend_options=config.plugin_options.get(attn_entry.plugin, {}),
             quant_method=quant_entry.obj if quant_entry else None,
             compile_max_tokens=config.torch_compile_max_bs if config.enable_torch_compile
             else None)
@@ -107,7 +110,8 @@ class Engine:
         self.scheduler = Scheduler(
             runner, KVManager(pool, cache), policy_entry.obj(config),
             policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
-            mc.vocab_size, on_step=lambda stats: pm.hook.step_finished(stats=stats))
+            mc.vocab_size, on_step=lambda stats: call_observers(pm.hook.step_finished,
+                                                                 stats=stats))
         for note in ckpt.notes:
             logger.info(note)
         logger.info(f"model {self.model_name} ({ckpt.path}): {mc.architecture}, "
@@ -237,13 +241,17 @@ class Engine:
 
     # -- offline API ---------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None):
-        """Generate for one prompt (str or token ids) or a list of them. Returns a dict (a list
-        of dicts for a list input, ``n`` per prompt) like SGLang's: text, output_ids, meta_info."""
-        single = input_ids is None and isinstance(prompt, str) or (
-            input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        """Generate for one prompt (a str, or a list of token ids; as ``prompt`` or
+        ``input_ids``) or a list of them. Returns a dict (a list of dicts for a list input, ``n``
+        per prompt) like SGLang's: text, output_ids, meta_info."""
+        if prompt is not None and input_ids is not None:
+            raise RequestError("give a prompt or input_ids, not both.")
         prompts = input_ids if input_ids is not None else prompt
-        if prompts is None:
-            raise RequestError("give a prompt (text) or input_ids.")
+        if prompts is None or (isinstance(prompts, (list, tuple)) and not prompts):
+            raise RequestError("give a prompt (text or token ids) or input_ids: got none.")
+        # one prompt: a string or a list of token ids; many: a list of those
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                              and not isinstance(prompts[0], (str, list, tuple)))
         if single:
             prompts = [prompts]
         if not isinstance(sampling_params, list):

@@ -63,7 +63,8 @@ def register_models(register):
 @hookspec
 def register_serve_options(register):
     """Register extra ``engine serve`` options: ``register(EngineOption(flag, type, default, help))``.
-    Their values arrive in ``EngineConfig.plugin_options[plugin_name][dest]``."""
+    Their values arrive in ``EngineConfig.plugin_options[plugin_name][dest]``, and the attention
+    backend a plugin registered gets its own plugin's as ``BackendContext.options[dest]``."""
 
 
 @hookspec
@@ -72,9 +73,12 @@ def register_commands(cli):
 
 
 @hookspec(firstresult=True)
-def select_attention_backend(device, model_config, kv_dtype, page_size):
+def select_attention_backend(device, model_config, kv_dtype, page_size, registries):
     """Pick the backend for ``--attention-backend auto``: return a registered name or None.
-    ``page_size`` is the ``--page-size`` asked for, or None when it is left to the backend.
+    ``model_config`` is the checkpoint's :class:`engine.models.config.ModelConfig` (None when a
+    caller resolves without a model); ``page_size`` is the ``--page-size`` asked for, or None
+    when it is left to the backend; ``registries`` are the registries being resolved (pick
+    from those, not from the process-wide ones).
 
     The first non-None answer wins; the core's own answer is ``trylast`` so that a platform plugin
     can override it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -175,3 +176,22 @@ def get_registries() -> Registries:
 def list_plugins() -> list[PluginInfo]:
     get_registries()
     return sorted(_infos.values(), key=lambda i: (i.dist == "built-in", i.name))
+
+
+def call_observers(hook, **kwargs) -> None:
+    """Call every implementation of an observer hook (engine_started, step_finished) on its own:
+    one that raises is logged with its plugin's name (once per plugin and hook) and the others,
+    and the engine, go on."""
+    for impl in hook.get_hookimpls():
+        try:
+            impl.function(**{k: kwargs[k] for k in impl.argnames})
+        except Exception as e:  # noqa: BLE001 - an observer must not stop the engine
+            key = (hook.name, impl.plugin_name)
+            if key not in _observer_errors:
+                _observer_errors.add(key)
+                logging.getLogger("engine").error(
+                    f"plugin {impl.plugin_name}: its {hook.name} hook raised "
+                    f"{type(e).__name__}: {e}; ignored (logged once)")
+
+
+_observer_errors: set = set()

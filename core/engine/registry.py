@@ -179,7 +179,8 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
         picked = None
         if pm is not None:
             picked = pm.hook.select_attention_backend(
-                device=device, model_config=model_config, kv_dtype=kv_dtype, page_size=page_size)
+                device=device, model_config=model_config, kv_dtype=kv_dtype, page_size=page_size,
+                registries=regs)
         if picked is None:
             reasons = "; ".join(
                 f"{e.name}: {e.unavailable_reason(device) or 'does not support --kv-cache-dtype ' + kv_dtype}"

@@ -31,7 +31,8 @@ def resolve_model_class(registries, architecture: str):
 class ModelRunner:
     def __init__(self, model: str | Checkpoint, *, registries, device: DeviceInfo,
                  dtype: str = "auto", attention_factory=None, kv_dtype: KVDtype | None = None,
-                 quant_method=None, compile_max_tokens: int | None = None):
+                 quant_method=None, compile_max_tokens: int | None = None,
+                 backend_options: dict | None = None):
         """``model``: a path (HF directory or GGUF file) or an opened Checkpoint;
         ``compile_max_tokens``: torch.compile the decoder stack for forwards up to that many
         tokens (``--enable-torch-compile``; see compile.py)."""
@@ -60,6 +61,7 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)  # as stored: quantized tensors count as such
         self.attention_factory = attention_factory or registries.attention.get("torch_native").obj
         self.kv_dtype = kv_dtype or KVDtype()
+        self.backend_options = dict(backend_options or {})
         self.kv_pool: KVPool | None = None
         self.backend = None
         self.cuda_graphs = None  # a CudaGraphRunner once init_cuda_graphs() captured them
@@ -80,7 +82,7 @@ class ModelRunner:
         c = self.model_config
         self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_tokens,
                               self.kv_storage_dtype, self.device.torch_device, page_size,
-                              max_reqs, max_context_len, needs_scale=self.kv_dtype.needs_scale)
+                              max_reqs, max_context_len, kv_dtype=self.kv_dtype)
         self.kv_scales_from_checkpoint = False
         if self.kv_dtype.needs_scale:  # the checkpoint's scales where it has them, else 1.0
             for m in self.model.modules():
@@ -89,7 +91,8 @@ class ModelRunner:
                         if getattr(m, name) is not None:
                             getattr(self.kv_pool, name)[m.layer_id] = getattr(m, name)
                             self.kv_scales_from_checkpoint = True
-        ctx = BackendContext(self.kv_pool, c.layer_specs(), self.device.torch_device, self.dtype)
+        ctx = BackendContext(self.kv_pool, c.layer_specs(), self.device.torch_device, self.dtype,
+                             self.backend_options)
         self.backend = self.attention_factory(ctx)
         return self.kv_pool
 

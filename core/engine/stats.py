@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger("engine")
 MAX_SAMPLES = 4096
+VLLM_PREEMPTION_LOG_EVERY = 50  # vLLM warns on the 1st, 51st, 101st, ... preemption
 
 
 @dataclass
@@ -61,6 +62,7 @@ class StatLogger:
         self.decode_steps = 0
         self.tokens_since = 0
         self.since = time.monotonic()
+        self.preemptions = 0  # cumulative, for vLLM's warning
 
     def prefill(self, s: StepStats) -> None:
         logger.info(
@@ -82,7 +84,17 @@ class StatLogger:
             f"gen throughput (token/s): {s.gen_throughput:.2f}, "
             f"#queue-req: {s.num_queue_reqs}")
 
-    @staticmethod
-    def retraction(n: int, old: float, new: float) -> None:
-        logger.warning(f"decode out of memory happened, #retracted_reqs: {n}, "
+    def retraction(self, rids: list[str], old: float, new: float) -> None:
+        """SGLang's line for the step, and vLLM's warning for every 50th preempted request (as
+        vLLM logs it, from the first), with the cumulative count and our flags."""
+        logger.warning(f"decode out of memory happened, #retracted_reqs: {len(rids)}, "
                        f"#new_token_ratio: {old:.4f} -> {new:.4f}")
+        for rid in rids:
+            if self.preemptions % VLLM_PREEMPTION_LOG_EVERY == 0:
+                logger.warning(
+                    f"Sequence group {rid} is preempted by PreemptionMode.RECOMPUTE mode because "
+                    f"there is not enough KV cache space. This can affect the end-to-end "
+                    f"performance. Increase --mem-fraction-static (--gpu-memory-utilization) or "
+                    f"--max-total-tokens to provide more KV cache memory. "
+                    f"total_num_cumulative_preemption={self.preemptions + 1}")
+            self.preemptions += 1

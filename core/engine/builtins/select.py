@@ -7,11 +7,9 @@ PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("f
 
 
 @hookimpl(trylast=True)
-def select_attention_backend(device, model_config, kv_dtype, page_size):
-    from engine.plugins import get_registries
+def select_attention_backend(device, model_config, kv_dtype, page_size, registries):
     from engine.registry import backend_kv_dtypes, takes_page_size
 
-    registries = get_registries()
     regs = registries.attention
     major = device.capability[0] if device.capability else None
     by_priority = [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]

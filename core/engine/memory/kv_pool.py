@@ -5,25 +5,44 @@ slots (page p owns slots ``p*page_size .. p*page_size+page_size-1``); page 0 is 
 so slot 0 is a scratch slot that padded metadata can point at harmlessly. Likewise request row
 ``scratch_row`` (one past the last real row) is never handed out and maps every position to
 slot 0: the padding rows of a CUDA-graph decode batch use it.
+
+K and V go in and out through the pool's ``KVDtype`` (``store`` / ``load``, with the layer's
+scale), so the pool knows no storage format; the allocator tracks each page's state, so that
+freeing a page twice (or page 0, or a page that does not exist) fails at the call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from engine.interfaces import KVDtype
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                  dtype: torch.dtype, device="cpu", page_size: int = 1, max_reqs: int = 256,
-                 max_context_len: int = 4096, needs_scale: bool = False):
+                 max_context_len: int = 4096, needs_scale: bool | None = None,
+                 kv_dtype: KVDtype | None = None):
+        """``kv_dtype``: the format (default: plain ``dtype``, scaled with ``needs_scale``);
+        its ``storage``, when set, must be ``dtype``."""
         assert num_tokens >= page_size > 0
+        if kv_dtype is None:
+            kv_dtype = KVDtype(dtype, needs_scale=bool(needs_scale))
+        if needs_scale is not None and needs_scale != kv_dtype.needs_scale:
+            raise ValueError(f"needs_scale={needs_scale} contradicts the KV dtype {kv_dtype}; "
+                             f"pass one of them")
+        if kv_dtype.storage is not None and kv_dtype.storage != dtype:
+            raise ValueError(f"the KV dtype stores {kv_dtype.storage} but the pool was asked "
+                             f"for {dtype}")
+        self.kv_dtype = kv_dtype
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
         self.size = self.num_pages * page_size  # usable token slots
         self.dtype = dtype
         self.device = device
         self.num_layers = num_layers
-        self.needs_scale = needs_scale
         shape = ((self.num_pages + 1) * page_size, num_kv_heads, head_dim)
         # torch.empty: never zero-fill gigabytes at start
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -35,11 +54,13 @@ class KVPool:
         # per-layer dequantization scales (stay 1.0 unless a KV dtype that needs them sets them)
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
-        # scaled values are clamped to the storage range: an overflow would store inf (or NaN)
-        self._max = torch.finfo(dtype).max if needs_scale and dtype.is_floating_point else None
         # a stack of free page ids in a tensor: compact and O(n) per call even for millions of pages
         self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
         self._top = self.num_pages  # _free_stack[:_top] are free; the top hands out low pages first
+        # page id -> 1 free, 0 in use: a count of free pages cannot see a double free while
+        # other pages are in use; this can, vectorized (page 0, the scratch page, is never free)
+        self._page_state = torch.ones(self.num_pages + 1, dtype=torch.int32)
+        self._page_state[0] = 0
         self.max_context_len = max_context_len
         # int32 slots (a pool holds far fewer than 2^31): at 128k context and 4096 requests the
         # table is 2 GiB, not 4; its bytes are in the sizing report (req_to_token_bytes)
@@ -47,7 +68,16 @@ class KVPool:
                                         device=device)
         self.scratch_row = max_reqs  # stays all zeros: position -> the scratch slot 0
         self._free_reqs = list(range(max_reqs - 1, -1, -1))
+        self._row_free = [True] * max_reqs
         self.max_reqs = max_reqs
+
+    @property
+    def needs_scale(self) -> bool:
+        return self.kv_dtype.needs_scale
+
+    @needs_scale.setter
+    def needs_scale(self, value: bool) -> None:
+        self.kv_dtype = dataclasses.replace(self.kv_dtype, needs_scale=value)
 
     # -- token slots, in pages --------------------------------------------------------------
     @property
@@ -71,12 +101,28 @@ class KVPool:
             return None
         pages = self._free_stack[self._top - n: self._top].flip(0)
         self._top -= n
+        self._page_state[pages] = 0
         return pages
 
     def free_pages(self, pages) -> None:
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
         n = pages.numel()
-        assert self._top + n <= self.num_pages, "a page was freed twice"
+        if n == 0:
+            return
+        lo, hi = pages.min().item(), pages.max().item()
+        assert lo >= 1 and hi <= self.num_pages, (
+            f"freeing page {lo if lo < 1 else hi}: pages are 1..{self.num_pages} (page 0 is "
+            f"the scratch page and never handed out)")
+        # +1 per mention: a page in use ends at 1; one already free, or named twice, above it
+        state = self._page_state
+        state.index_put_((pages,), torch.ones(n, dtype=state.dtype), accumulate=True)
+        times = state[pages]
+        if (times != 1).any():
+            state.index_put_((pages,), torch.full((n,), -1, dtype=state.dtype), accumulate=True)
+            twice = pages[times != 1].unique()
+            raise AssertionError(f"a page was freed twice: page(s) {twice[:8].tolist()} "
+                                 f"{'are' if len(twice) > 1 else 'is'} already free or "
+                                 f"named twice in one call")
         self._free_stack[self._top: self._top + n] = pages
         self._top += n
 
@@ -110,11 +156,19 @@ class KVPool:
 
     # -- request rows -------------------------------------------------------------------------
     def alloc_req(self) -> int | None:
-        return self._free_reqs.pop() if self._free_reqs else None
+        if not self._free_reqs:
+            return None
+        row = self._free_reqs.pop()
+        self._row_free[row] = False
+        return row
 
     def free_req(self, row: int) -> None:
+        assert 0 <= row < self.max_reqs, (
+            f"freeing request row {row}: rows are 0..{self.max_reqs - 1} (row "
+            f"{self.scratch_row} is the scratch row and never handed out)")
+        assert not self._row_free[row], f"request row {row} was freed twice"
+        self._row_free[row] = True
         self._free_reqs.append(row)
-        assert len(self._free_reqs) <= self.max_reqs, "a request row was freed twice"
 
     @property
     def free_reqs(self) -> int:
@@ -122,24 +176,19 @@ class KVPool:
 
     # -- K/V access ----------------------------------------------------------------------------
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.needs_scale:
-            k = k / self.k_scale[layer_id]
-            v = v / self.v_scale[layer_id]
-            if self._max is not None:
-                k, v = k.clamp(-self._max, self._max), v.clamp(-self._max, self._max)
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        kv = self.kv_dtype
+        self.k_buffer[layer_id][loc] = kv.store(k, self.k_scale[layer_id], self.dtype)
+        self.v_buffer[layer_id][loc] = kv.store(v, self.v_scale[layer_id], self.dtype)
 
     def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype):
         """K and V at slots ``loc`` (any shape), dequantized to ``dtype``."""
         # index_select on flat slots gathers ~3x faster than advanced indexing on CPU
         flat, shape = loc.reshape(-1), (*loc.shape, *self.k_buffer[0].shape[1:])
-        k = self.k_buffer[layer_id].index_select(0, flat).view(shape).to(dtype)
-        v = self.v_buffer[layer_id].index_select(0, flat).view(shape).to(dtype)
-        if self.needs_scale:
-            k = k * self.k_scale[layer_id]
-            v = v * self.v_scale[layer_id]
-        return k, v
+        k = self.k_buffer[layer_id].index_select(0, flat).view(shape)
+        v = self.v_buffer[layer_id].index_select(0, flat).view(shape)
+        kv = self.kv_dtype
+        return (kv.load(k, self.k_scale[layer_id], dtype),
+                kv.load(v, self.v_scale[layer_id], dtype))
 
     def bytes_per_token(self) -> int:
         k = self.k_buffer[0]

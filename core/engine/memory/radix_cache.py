@@ -9,7 +9,7 @@ boundaries fall on pages and evicting a node frees whole pages.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -26,6 +26,12 @@ class Node:
         self.parent: Node | None = parent
         self.lock_ref = 0
         self.last_access = next(_tick)
+
+
+class Inserted(NamedTuple):
+    cached: int  # leading tokens the tree already held (under other slots)
+    node: Node  # the node that ends at the inserted key
+    slots: torch.Tensor  # the tree's slots for the whole key
 
 
 class RadixCache:
@@ -98,12 +104,13 @@ class RadixCache:
         return upper
 
     # -- insert ------------------------------------------------------------------------------
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor) -> Inserted:
         """Insert ``key`` -> ``value`` (page-aligned lengths). Returns how many leading tokens
-        were already cached: the caller owns those slots of ``value`` and must free them."""
+        were already cached (the caller owns those slots of ``value`` and must free them), the
+        node that ends at ``key`` and the slots the tree now holds for ``key``."""
         assert len(key) == len(value) and len(key) % self.page_size == 0
         key = tuple(key)
-        node, done = self.root, 0
+        node, done, values = self.root, 0, []
         node.last_access = next(_tick)
         while done < len(key):
             rest = key[done:]
@@ -112,13 +119,15 @@ class RadixCache:
                 new = Node(rest, value[done:].clone(), node)
                 node.children[self._child_key(rest)] = new
                 self.total_size += len(rest)
-                return done
+                values.append(new.value)
+                return Inserted(done, new, torch.cat(values))
             n = self._common(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(_tick)
+            values.append(child.value)
             node, done = child, done + n
-        return done
+        return Inserted(done, node, torch.cat(values) if values else value[:0])
 
     # -- locks ---------------------------------------------------------------------------------
     def inc_lock(self, node: Node) -> None:
@@ -135,6 +144,14 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
             node = node.parent
+
+    def evictable_size_after_lock(self, node: Node) -> int:
+        """``evictable_size`` as it would be with ``node`` locked, without locking it."""
+        unlocked = 0
+        while node is not self.root:
+            unlocked += 0 if node.lock_ref else len(node.key)
+            node = node.parent
+        return self.evictable_size - unlocked
 
     # -- eviction ------------------------------------------------------------------------------
     def _leaves(self) -> list[Node]:

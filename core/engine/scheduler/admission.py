@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
+
+from engine.scheduler.request import Req, Status
 
 # a running request is assumed to need at most this many more tokens when reserving room
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_DECODE_STEPS = 20  # after a retraction, assume every request decodes this much more
 MIN_RATIO_FACTOR = 0.14  # the ratio decays to this share of its initial value ...
 DECAY_STEPS = 600  # ... over this many decode steps
+# a waiting prompt sharing this many uncached tokens with one being prefilled waits for it
+IN_BATCH_PREFIX = 32
 
 
 class NewTokenRatio:
@@ -42,6 +47,12 @@ def reserved_tokens(req, ratio: float) -> float:
     return min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS) * ratio
 
 
+def still_needed(req, ratio: float) -> float:
+    """What a running request is still counted for: its reserved share of new tokens plus the
+    prompt tokens it has not computed yet (all but the last)."""
+    return reserved_tokens(req, ratio) + (req.seq_len - req.kv_len - 1)
+
+
 @dataclass
 class PrefillBudget:
     """Token budgets of one step's prefill part."""
@@ -49,6 +60,14 @@ class PrefillBudget:
     chunk: float  # prompt tokens left under --chunked-prefill-size (inf when disabled)
     prefill: int  # prompt tokens left under --max-prefill-tokens
     page_size: int
+
+    @classmethod
+    def for_step(cls, chunked_prefill_size: int, num_decodes: int, max_prefill_tokens: int,
+                 page_size: int) -> PrefillBudget:
+        """A step's chunk budget is --chunked-prefill-size less its decodes (-1: unlimited)."""
+        chunk = (float("inf") if chunked_prefill_size == -1 else
+                 max(chunked_prefill_size - num_decodes, 0))
+        return cls(chunk, max_prefill_tokens, page_size)
 
     def take(self, extend: int) -> int:
         """How many of ``extend`` prompt tokens fit; a partial take is page-aligned."""
@@ -60,3 +79,62 @@ class PrefillBudget:
     def spend(self, n: int) -> None:
         self.chunk -= n
         self.prefill -= n
+
+
+@dataclass
+class StepPrefill:
+    """One step's prefill part: its prompt chunks in batch order and what admission promised."""
+
+    budget: PrefillBudget
+    chunks: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
+    reserve: float = 0.0  # slots held back for running and just-admitted requests
+    new_seqs: int = 0
+    cached: int = 0  # prompt tokens the new requests found in the radix cache
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    def add(self, req: Req, n: int) -> None:
+        self.budget.spend(n)
+        self.chunks.append((req, n))
+
+    def add_new(self, req: Req, n: int, extend: int, cached: int, reservation: float) -> None:
+        """A request just admitted: ``n`` of its ``extend`` uncached prompt tokens run now; the
+        rest, and its share of new tokens, are reserved."""
+        self.reserve += reservation + (extend - n)
+        self.add(req, n)
+        self.new_seqs += 1
+        self.cached += cached
+
+
+class Verdict(enum.Enum):
+    """What trying to admit one waiting request came to."""
+
+    ADMITTED = "admitted"  # its whole prompt runs this step: try the next
+    WAITS = "waits"  # it shares KV with a prompt in flight and waits for it: try the next
+    CHUNKED = "chunked"  # admitted with a first chunk: one chunked prompt at a time, so stop
+    BATCH_FULL = "batch full"  # --max-running-requests reached: stop
+    NO_BUDGET = "no budget"  # the step's prompt-token budget is spent: stop
+    NO_ROOM = "no room"  # the KV pool (or its request rows) cannot take it: stop
+
+    @property
+    def tries_next(self) -> bool:
+        return self is Verdict.ADMITTED or self is Verdict.WAITS
+
+
+def waits_for_leader(req: Req) -> bool:
+    """For n > 1: the samples after the first share its prompt KV once it is cached."""
+    leader = req.group_leader
+    return leader is not None and not leader.finished and (
+        leader.status is not Status.RUNNING or leader.prefilling)
+
+
+def prefix_in_flight(req: Req, matched: int, chunks) -> bool:
+    """Does a prompt being prefilled this step share ``IN_BATCH_PREFIX`` more tokens with
+    ``req`` than the cache does? (SGLang's in-batch prefix check.)"""
+    if req.seq_len - 1 - matched < IN_BATCH_PREFIX:
+        return False
+    head = req.tokens(matched, matched + IN_BATCH_PREFIX)
+    return any(f.prefilling and f.tokens(matched, matched + IN_BATCH_PREFIX) == head
+               for f, _ in chunks)

@@ -1,12 +1,34 @@
-"""Who owns which KV slots: a request's private slots versus the radix cache's shared ones."""
+"""The one owner of every request's KV bookkeeping (nano-vllm's block manager, SGLang's names).
+
+A request's KV state is five fields on ``Req`` (``row``, ``kv_len``, ``alloc_len``,
+``cached_len``, ``last_node``); only this class writes them, through these operations:
+
+- ``match(req)``: the longest cached prefix of its sequence (changes no request).
+- ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache) plus
+  slots for ``n`` more tokens; all or nothing.
+- ``grow(req, n)``: slots for a prompt chunk; ``grow_decodes(reqs)``: one slot each, in one go.
+- ``computed(decodes, chunks)``: the forward wrote their K/V; full prompt pages are cached.
+- ``release(req)``: finished or aborted, its computed prefix stays cached (with a cache);
+  ``retract(req)``: everything freed, nothing cached (it is recomputed later).
+
+Slots of ``[0, cached_len)`` belong to the radix cache (locked through ``last_node``), slots of
+``[cached_len, alloc_len)`` to the request; ``kv_len <= alloc_len`` tokens have K/V.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from engine.memory.kv_pool import KVPool
 from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Req
+
+
+class Prefix(NamedTuple):
+    slots: torch.Tensor  # the cached slots of the request's leading tokens
+    node: object  # the radix node ending there (None without a cache)
 
 
 class KVManager:
@@ -20,6 +42,19 @@ class KVManager:
     def evictable(self) -> int:
         return self.cache.evictable_size if self.cache else 0
 
+    @property
+    def used_tokens(self) -> int:
+        """Slots held by requests (cached prefixes that could be evicted count as free)."""
+        return self.pool.size - self.pool.free_slots - self.evictable
+
+    def available(self, node=None) -> int:
+        """Free plus evictable slots, as they would be with ``node`` (a match) locked."""
+        if self.cache is None:
+            return self.pool.free_slots
+        if node is None:
+            return self.pool.free_slots + self.cache.evictable_size
+        return self.pool.free_slots + self.cache.evictable_size_after_lock(node)
+
     def ensure_free(self, slots: int) -> bool:
         """Evict cached prefixes until ``slots`` slots are free; False when impossible."""
         short = slots - self.pool.free_slots
@@ -32,28 +67,48 @@ class KVManager:
         pages = -(-req.alloc_len // self.page) - req.cached_len // self.page
         return pages * self.page
 
-    # -- admission -----------------------------------------------------------------------------
-    def match(self, req: Req):
-        if self.cache is None:
-            return torch.empty(0, dtype=torch.int64), None
-        # the last token always goes through the model: its logits are needed to sample
-        return self.cache.match_prefix(req.seq[: req.seq_len - 1])
+    def check(self, running: list[Req]) -> None:
+        """free + held by running requests + held by the cache = total; rows likewise."""
+        pool, cache = self.pool, self.cache
+        owned = sum(self.owned_slots(r) for r in running)
+        cached = cache.total_size if cache else 0
+        assert pool.free_slots + owned + cached == pool.size, (pool.free_slots, owned, cached)
+        assert pool.free_reqs + len(running) == pool.max_reqs
+        if cache:
+            cache.check_integrity()
 
-    def attach(self, req: Req, prefix_slots: torch.Tensor, node) -> bool:
-        """Give ``req`` a request row holding the cached prefix; False when no row is free."""
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        """Free slots that ``grow_decodes(reqs)`` takes."""
+        return self.page * sum(r.alloc_len == r.kv_len and r.alloc_len % self.page == 0
+                               for r in reqs)
+
+    # -- admission -----------------------------------------------------------------------------
+    def match(self, req: Req) -> Prefix:
+        if self.cache is None:
+            return Prefix(torch.empty(0, dtype=torch.int64), None)
+        # the last token always goes through the model: its logits are needed to sample
+        return Prefix(*self.cache.match_prefix(req.seq[: req.seq_len - 1]))
+
+    def admit(self, req: Req, prefix: Prefix, n: int) -> bool:
+        """Give ``req`` a request row holding ``prefix`` (locked) and slots for ``n`` more
+        tokens; False, holding nothing, when no row is free or the slots cannot be freed."""
         row = self.pool.alloc_req()
         if row is None:
             return False
         req.row = row
-        n = len(prefix_slots)
-        if n:
-            self.pool.req_to_token[row, :n] = prefix_slots.to(self.pool.req_to_token.device)
-        req.kv_len = req.alloc_len = req.cached_len = n
-        req.last_node = node
-        if node is not None:
-            self.cache.inc_lock(node)
+        k = len(prefix.slots)
+        if k:
+            self.pool.req_to_token[row, :k] = prefix.slots.to(self.pool.req_to_token.device)
+        req.kv_len = req.alloc_len = req.cached_len = k
+        req.last_node = prefix.node
+        if prefix.node is not None:
+            self.cache.inc_lock(prefix.node)
+        if not self.grow(req, n):
+            self.retract(req)
+            return False
         return True
 
+    # -- growth --------------------------------------------------------------------------------
     def grow(self, req: Req, n: int) -> bool:
         """Allocate slots for ``n`` more tokens of ``req`` (evicting if needed)."""
         need = n - (req.alloc_len - req.kv_len)
@@ -66,11 +121,6 @@ class KVManager:
         assert slots is not None
         req.alloc_len += need
         return True
-
-    def decode_slots_needed(self, reqs: list[Req]) -> int:
-        """Free slots that ``grow_decodes(reqs)`` takes."""
-        return self.page * sum(r.alloc_len == r.kv_len and r.alloc_len % self.page == 0
-                               for r in reqs)
 
     def grow_decodes(self, reqs: list[Req]) -> None:
         """One more slot for each of ``reqs`` (each decodes one token), allocated and recorded
@@ -86,53 +136,64 @@ class KVManager:
         full = [p % page == 0 for p in positions]  # rows whose last page is full
         pages = self.pool.alloc_pages(sum(full))
         assert pages is not None, "no room made for the decodes"
-        pages = pages.to(table.device)
+        pages = pages.to(table.device, table.dtype)
         if page == 1:
             slots = pages
         else:  # a new page where the last one is full, else the last page's next slot
             slots = table[rows, (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
-        table[rows, pos] = slots.to(table.dtype)
+        table[rows, pos] = slots
         for r in reqs:
             r.alloc_len += 1
 
-    def slots_needed(self, req: Req, n: int) -> int:
-        need = n - (req.alloc_len - req.kv_len)
-        return self.pool.pages_needed(req.alloc_len, need) * self.page if need > 0 else 0
+    def computed(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> None:
+        """The forward wrote K/V for one token of each decode and ``n`` of each prompt chunk;
+        the prompt's full pages go to the radix cache for requests admitted later."""
+        for r in decodes:
+            r.kv_len += 1
+        for r, n in chunks:
+            r.kv_len += n
+            self._cache_prefix(r)
 
     # -- release -------------------------------------------------------------------------------
-    def _free_range(self, req: Req, start: int, end: int) -> None:
-        if end > start:
-            self.pool.free_slots_of(self.pool.req_to_token[req.row, start:end])
+    def release(self, req: Req) -> None:
+        """Free what a finished or aborted ``req`` holds; its computed prefix stays cached."""
+        self._free(req, keep_in_cache=self.cache is not None)
 
-    def cache_prefix(self, req: Req) -> None:
-        """Hand the request's computed prefix to the radix cache so others can share it."""
-        if self.cache is None:
-            return
-        n = req.kv_len - req.kv_len % self.page
-        if n <= req.cached_len:
-            return
-        row = self.pool.req_to_token[req.row]
-        already = self.cache.insert(req.seq[:n], row[:n].cpu())
-        # the tree already had [cached_len, already) under other slots: ours are duplicates
-        self._free_range(req, req.cached_len, already)
-        slots, node = self.cache.match_prefix(req.seq[:n])
-        assert len(slots) == n
-        row[:n] = slots.to(row.device)
-        self.cache.inc_lock(node)
-        if req.last_node is not None:
-            self.cache.dec_lock(req.last_node)
-        req.last_node, req.cached_len = node, n
+    def retract(self, req: Req) -> None:
+        """Free everything ``req`` holds, caching nothing."""
+        self._free(req, keep_in_cache=False)
 
-    def release(self, req: Req, keep_in_cache: bool) -> None:
-        """Free everything ``req`` holds; with ``keep_in_cache`` its prefix stays cached."""
+    def _free(self, req: Req, keep_in_cache: bool) -> None:
         if req.row is None:
             return
         if keep_in_cache:
-            self.cache_prefix(req)
+            self._cache_prefix(req)
         self._free_range(req, req.cached_len, req.alloc_len)
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)
         self.pool.free_req(req.row)
         req.row, req.last_node = None, None
         req.kv_len = req.alloc_len = req.cached_len = 0
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Hand the request's computed full pages to the radix cache; where the tree already
+        held some of them, free ours and point the request's row at the tree's."""
+        if self.cache is None:
+            return
+        n = req.kv_len - req.kv_len % self.page
+        if n <= req.cached_len:
+            return
+        row = self.pool.req_to_token[req.row]
+        dup, node, slots = self.cache.insert(req.seq[:n], row[:n].cpu())
+        if dup > req.cached_len:
+            self._free_range(req, req.cached_len, dup)
+            row[req.cached_len:dup] = slots[req.cached_len:dup].to(row.device)
+        self.cache.inc_lock(node)  # lock the new end before unlocking the old (shared) path
+        if req.last_node is not None:
+            self.cache.dec_lock(req.last_node)
+        req.last_node, req.cached_len = node, n
+
+    def _free_range(self, req: Req, start: int, end: int) -> None:
+        if end > start:
+            self.pool.free_slots_of(self.pool.req_to_token[req.row, start:end])

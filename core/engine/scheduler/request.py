@@ -31,13 +31,12 @@ class Req:
     group_leader: "Req | None" = None  # for n > 1: wait until the leader's prompt is cached
     detokenizer: Any = None  # set by whoever needs text while running (stop strings, streams)
     seen: Any = None  # SeenTokens for penalties, made by the scheduler at the first sampling
-    # KV state (set by the scheduler)
+    # KV state: written only by engine.scheduler.kv.KVManager (read by anyone)
     row: int | None = None  # row in kv_pool.req_to_token
     kv_len: int = 0  # tokens of seq whose K/V is in the pool
     alloc_len: int = 0  # tokens of seq with slots allocated (>= kv_len)
     cached_len: int = 0  # leading tokens whose slots the radix cache owns
     last_node: Any = None  # radix node locked for the cached prefix
-    prefix_hint: int = 0  # cached-prefix length found when the policy ordered the queue
     cached_tokens: int = 0  # prompt tokens served from the cache at (first) admission
     num_retractions: int = 0
     # per-token extras

@@ -7,14 +7,13 @@ import time
 from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, SamplingBatch, token_stop_reason
 from engine.sampling.penalties import SeenTokens
-from engine.scheduler.admission import NewTokenRatio, PrefillBudget, reserved_tokens
+from engine.scheduler.admission import (NewTokenRatio, PrefillBudget, StepPrefill, Verdict,
+                                        prefix_in_flight, reserved_tokens, still_needed,
+                                        waits_for_leader)
 from engine.scheduler.kv import KVManager
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
 from engine.stats import Counters, StatLogger, StepStats
-
-# a waiting prompt sharing this many uncached tokens with one being prefilled waits for it
-IN_BATCH_PREFIX = 32
 
 
 class Scheduler:
@@ -44,7 +43,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
-            self.kv.release(req, keep_in_cache=self.kv.cache is not None)
+            self.kv.release(req)
         self._finish(req, "abort")
         self.counters.aborted_reqs += 1
 
@@ -54,17 +53,10 @@ class Scheduler:
 
     @property
     def num_used_tokens(self) -> int:
-        return self.kv.pool.size - self.kv.pool.free_slots - self.kv.evictable
+        return self.kv.used_tokens
 
     def check_invariants(self) -> None:
-        """free + held by running requests + held by the cache = total; rows likewise."""
-        pool, cache = self.kv.pool, self.kv.cache
-        owned = sum(self.kv.owned_slots(r) for r in self.running)
-        cached = cache.total_size if cache else 0
-        assert pool.free_slots + owned + cached == pool.size, (pool.free_slots, owned, cached)
-        assert pool.free_reqs + len(self.running) == pool.max_reqs
-        if cache:
-            cache.check_integrity()
+        self.kv.check(self.running)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -75,22 +67,21 @@ class Scheduler:
         if retracted:
             decodes = [r for r in decodes if r.status is Status.RUNNING]
         self.kv.grow_decodes(decodes)
-        prefill, new_seqs, cached = self._admit(len(decodes))
-        entries = [(r, 1, False) for r in decodes] + [(r, n, True) for r, n in prefill]
-        stats = StepStats(self.step_no, "idle", len(self.running), len(self.waiting), 0,
-                          self.kv.pool.size, new_seqs, sum(n for _, n in prefill), cached,
-                          retracted_reqs=retracted, totals=self.counters)
-        touched = self._run(entries) if entries else []
-        stats.cuda_graph = bool(entries) and self.runner.last_cuda_graph
+        prefill = self._admit(len(decodes))
+        ran = bool(decodes or prefill.chunks)
+        touched = self._run(decodes, prefill.chunks) if ran else []
         if decodes:
             self.ratio.step()
-        stats.forward_mode = ("mixed" if prefill and decodes else
-                              "prefill" if prefill else "decode" if decodes else "idle")
-        stats.generated_tokens = sum(1 for r in touched if r.output_ids)
-        stats.finished_reqs = sum(1 for r in touched if r.finished)
-        stats.num_running_reqs, stats.num_queue_reqs = len(self.running), len(self.waiting)
-        stats.num_used_tokens = self.num_used_tokens
-        if prefill:
+        mode = ("mixed" if prefill.chunks and decodes else
+                "prefill" if prefill.chunks else "decode" if decodes else "idle")
+        stats = StepStats(self.step_no, mode, len(self.running), len(self.waiting),
+                          self.num_used_tokens, self.kv.pool.size, prefill.new_seqs,
+                          prefill.tokens, prefill.cached,
+                          generated_tokens=sum(1 for r in touched if r.output_ids),
+                          retracted_reqs=retracted,
+                          finished_reqs=sum(1 for r in touched if r.finished),
+                          cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters)
+        if prefill.chunks:
             self.log.prefill(stats)
         elif decodes:
             self.log.decode(stats)
@@ -108,8 +99,8 @@ class Scheduler:
             if self.kv.ensure_free(need) or len(self.running) - len(victims) == 1:
                 break
             if not victim.prefilling:
-                need -= self.kv.slots_needed(victim, 1)
-            self.kv.release(victim, keep_in_cache=False)
+                need -= self.kv.decode_slots_needed([victim])
+            self.kv.retract(victim)
             victim.status = Status.WAITING
             victim.num_retractions += 1
             victims.append(victim)
@@ -118,112 +109,94 @@ class Scheduler:
         assert self.kv.ensure_free(need), "a lone request does not fit the KV pool"
         old, new = self.ratio.after_retraction(self.running)
         self.counters.retracted_reqs += len(victims)
-        self.log.retraction(len(victims), old, new)
+        self.log.retraction([v.rid for v in victims], old, new)
         return len(victims)
 
-    def _admit(self, num_decodes: int):
-        cps = self.sizing.chunked_prefill_size
-        budget = PrefillBudget(float("inf") if cps == -1 else max(cps - num_decodes, 0),
-                               self.config.max_prefill_tokens, self.kv.page)
-        entries, new_seqs, cached = [], 0, 0
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self, num_decodes: int) -> StepPrefill:
+        """This step's prompt chunks: a chunked prompt continues first, then waiting requests
+        are tried in the policy's order until one says stop."""
+        prefill = StepPrefill(PrefillBudget.for_step(self.sizing.chunked_prefill_size, num_decodes,
+                                                     self.config.max_prefill_tokens, self.kv.page))
         if len(self.running) > num_decodes:  # a chunked prompt continues first
             for r in self.running:
                 if r.prefilling:
-                    n = budget.take(r.seq_len - r.kv_len)
+                    n = prefill.budget.take(r.seq_len - r.kv_len)
                     if n and self.kv.grow(r, n):
-                        budget.spend(n)
-                        entries.append((r, n))
+                        prefill.add(r, n)
         # nothing can be admitted (every prompt brings at least one token): don't order the queue
         if (not self.waiting or len(self.running) >= self.sizing.max_running_requests
-                or budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
-            return entries, new_seqs, cached
+                or prefill.budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
+            return prefill
         ratio = self.ratio.value
-        reserve = sum(reserved_tokens(r, ratio) + (r.seq_len - r.kv_len - 1)
-                      for r in self.running)
-        if self.kv.pool.free_slots + self.kv.evictable - reserve < 1 and (self.running or entries):
-            return entries, new_seqs, cached
-        hints = {}
+        prefill.reserve = sum(still_needed(r, ratio) for r in self.running)
+        if self.kv.available() - prefill.reserve < 1 and (self.running or prefill.chunks):
+            return prefill
+        for r in self._queue_in_policy_order():
+            if not self._try_admit(r, prefill, ratio).tries_next:
+                break
+        if prefill.new_seqs:
+            self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
+        return prefill
+
+    def _try_admit(self, r: Req, prefill: StepPrefill, ratio: float) -> Verdict:
+        """SGLang's rule: admit ``r`` when the batch, the token budget, a request row and the KV
+        room (free + evictable - reserved) allow its uncached prompt and its own reservation."""
+        if len(self.running) >= self.sizing.max_running_requests:
+            return Verdict.BATCH_FULL
+        if waits_for_leader(r):
+            return Verdict.WAITS
+        prefix = self.kv.match(r)
+        cached = len(prefix.slots)
+        if self.kv.cache is not None and prefix_in_flight(r, cached, prefill.chunks):
+            return Verdict.WAITS  # that prefix is cached in a step or two: don't compute it twice
+        extend = r.seq_len - cached
+        n = prefill.budget.take(extend)
+        if n == 0:
+            return Verdict.NO_BUDGET
+        reservation = reserved_tokens(r, ratio)
+        room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
+        if extend + reservation > room and (self.running or prefill.chunks):
+            return Verdict.NO_ROOM  # (a lone request is always tried)
+        if not self.kv.admit(r, prefix, n):
+            return Verdict.NO_ROOM  # no request row, or its slots could not be freed
+        r.status = Status.RUNNING
+        self.running.append(r)
+        if r.num_retractions == 0:  # a retracted request was counted at its first admission
+            r.cached_tokens = cached
+            self.counters.prompt_tokens += len(r.prompt_ids)
+            self.counters.cached_tokens += cached
+        prefill.add_new(r, n, extend, cached, reservation)
+        return Verdict.ADMITTED if n == extend else Verdict.CHUNKED
+
+    def _queue_in_policy_order(self) -> list[Req]:
+        hints = {}  # a policy may ask twice: match once
 
         def prefix_len(r: Req) -> int:
             if r not in hints:
-                hints[r] = len(self.kv.match(r)[0])
+                hints[r] = len(self.kv.match(r).slots)
             return hints[r]
 
-        ordered = self.policy.order(list(self.waiting),
-                                    prefix_len if self.cache_aware and self.kv.cache else
-                                    (lambda r: 0))
-        for r in ordered:
-            if len(self.running) >= self.sizing.max_running_requests:
-                break
-            leader = r.group_leader
-            if leader is not None and not leader.finished and (
-                    leader.status is not Status.RUNNING or leader.prefilling):
-                continue  # n > 1: share the leader's prompt KV once it is cached
-            slots, node = self.kv.match(r)
-            if self._prefix_in_flight(r, len(slots), entries):
-                continue  # it will find that prefix cached in a step or two: don't compute it twice
-            extend = r.seq_len - len(slots)
-            n = budget.take(extend)
-            if n == 0:
-                break
-            if node is not None:
-                self.kv.cache.inc_lock(node)  # what it matched is no longer evictable
-            avail = self.kv.pool.free_slots + self.kv.evictable - reserve
-            if node is not None:
-                self.kv.cache.dec_lock(node)
-            cost = extend + reserved_tokens(r, ratio)
-            if cost > avail and (self.running or entries):
-                break
-            if not self.kv.attach(r, slots, node):
-                break
-            if not self.kv.grow(r, n):
-                self.kv.release(r, keep_in_cache=False)
-                break
-            r.status = Status.RUNNING
-            self.running.append(r)
-            if r.num_retractions == 0:
-                r.cached_tokens = len(slots)
-                self.counters.prompt_tokens += len(r.prompt_ids)
-                self.counters.cached_tokens += len(slots)
-            reserve += reserved_tokens(r, ratio) + (extend - n)
-            budget.spend(n)
-            entries.append((r, n))
-            new_seqs += 1
-            cached += len(slots)
-            if n < extend:
-                break  # one chunked prompt at a time
-        if new_seqs:
-            self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
-        return entries, new_seqs, cached
-
-    def _prefix_in_flight(self, r: Req, matched: int, entries) -> bool:
-        """Does a prompt being prefilled right now share ``IN_BATCH_PREFIX`` more tokens with
-        ``r`` than the cache does? (SGLang's in-batch prefix check.)"""
-        if self.kv.cache is None or r.seq_len - 1 - matched < IN_BATCH_PREFIX:
-            return False
-        head = r.tokens(matched, matched + IN_BATCH_PREFIX)
-        return any(f.prefilling and f.tokens(matched, matched + IN_BATCH_PREFIX) == head
-                   for f, _ in entries)
+        aware = self.cache_aware and self.kv.cache
+        return self.policy.order(list(self.waiting), prefix_len if aware else (lambda r: 0))
 
     # -- forward, sample, finish -----------------------------------------------------------------
-    def _run(self, entries: list[tuple[Req, int, bool]]) -> list[Req]:
+    def _run(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> list[Req]:
+        """One forward over the decodes and the prompt chunks (in that order); samples a token
+        for every request whose K/V then covers its whole sequence."""
         table = self.kv.pool.req_to_token
-        batch = ForwardBatch.build([r.tokens(r.kv_len, r.kv_len + n) for r, n, _ in entries],
-                                   [r.kv_len for r, _, _ in entries],
-                                   [r.row for r, _, _ in entries], None, table,
+        reqs = decodes + [r for r, _ in chunks]
+        batch = ForwardBatch.build([r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]
+                                   + [r.tokens(r.kv_len, r.kv_len + n) for r, n in chunks],
+                                   [r.kv_len for r in reqs], [r.row for r in reqs], None, table,
                                    device=table.device)
         logits = self.runner.forward(batch)
-        sample = []
-        for i, (r, n, is_prefill) in enumerate(entries):
-            r.kv_len += n
-            if is_prefill:
-                self.kv.cache_prefix(r)  # share the prompt with requests admitted later
-            if r.kv_len == r.seq_len:
-                sample.append(i)
+        self.kv.computed(decodes, chunks)
+        sample = [i for i, r in enumerate(reqs) if r.kv_len == r.seq_len]
         if not sample:
             return []
-        rows = [entries[i][0] for i in sample]
-        out = self._sample(logits if len(sample) == len(entries) else logits[sample], rows)
+        rows = reqs if len(sample) == len(reqs) else [reqs[i] for i in sample]
+        out = self._sample(logits if len(sample) == len(reqs) else logits[sample], rows)
         tokens = out.next_token_ids.tolist()  # the step's one device sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         now = time.monotonic()
@@ -268,7 +241,7 @@ class Scheduler:
             self._release_finished(r, "length", None)
 
     def _release_finished(self, r: Req, reason: str, matched) -> None:
-        self.kv.release(r, keep_in_cache=self.kv.cache is not None)
+        self.kv.release(r)
         r.matched_stop = matched
         self._finish(r, reason)
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import logging
 import time
 from importlib import metadata
 
@@ -36,6 +37,7 @@ from engine.server.openai import (
     ModelList,
 )
 from engine.server.openapi import Endpoint, openapi_spec
+from engine.server.runtime import EngineFailed
 from engine.server.serving import (
     ClientGone,
     ServerSettings,
@@ -47,6 +49,7 @@ from engine.server.serving import (
 )
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+logger = logging.getLogger("engine.server")
 
 
 async def health(request: Request):
@@ -100,17 +103,49 @@ async def server_info(request: Request):
                 shutdown_grace_period=s.shutdown_grace_period,
                 architecture=engine.runner.model_config.architecture,
                 version=_version(), sizing=sizing.as_dict(), sizing_report=sizing.lines())
+    try:  # SGLang's key: one entry per engine (one here)
+        info["internal_states"] = [await st.runtime.call(internal_state)]
+    except EngineFailed as e:
+        info["internal_states"] = [{"error": str(e)}]
     return JSONResponse(info)
 
 
+def internal_state(engine) -> dict:
+    """The scheduler's queues and where every KV slot is, read between two steps. The slots
+    add up: free + running + cached = total (and request rows: free + running = total)."""
+    scheduler = engine.scheduler
+    kv = scheduler.kv
+    pool, cache = kv.pool, kv.cache
+    used = scheduler.num_used_tokens
+    return {"num_running_reqs": len(scheduler.running), "num_queue_reqs": len(scheduler.waiting),
+            "num_used_tokens": used, "token_usage": used / pool.size,
+            "kv_pool": {"total_slots": pool.size, "free_slots": pool.free_slots,
+                        "running_slots": sum(kv.owned_slots(r) for r in scheduler.running),
+                        "cached_slots": cache.total_size if cache is not None else 0,
+                        "evictable_slots": kv.evictable, "request_rows": pool.max_reqs,
+                        "free_request_rows": pool.free_reqs}}
+
+
 async def flush_cache(request: Request):
+    """SGLang's answer: 200 "Cache flushed." when it was, else 400 saying why it was not."""
     def flush(engine):
-        if engine.scheduler.kv.cache is None:
+        scheduler = engine.scheduler
+        if scheduler.kv.cache is None:
             return "the radix cache is disabled (--disable-radix-cache); nothing to flush"
-        if engine.scheduler.has_work:
-            raise APIError(400, "cannot flush the cache while requests are running or "
-                                "queued; retry when idle", code="engine_busy")
-        engine.flush_cache()
+        running, queued = len(scheduler.running), len(scheduler.waiting)
+        if running or queued:
+            logger.warning(f"Cache not flushed because there are pending requests. "
+                           f"#queue-req: {queued}, #running-req: {running}")
+            raise APIError(400, f"Cache not flushed: {running} request(s) running and "
+                                f"{queued} queued; retry when the server is idle.",
+                           code="engine_busy")
+        if not engine.flush_cache():
+            locked = scheduler.kv.cache.protected_size
+            logger.warning(f"Cache not flushed: the engine refused ({locked} cached tokens "
+                           f"still in use)")
+            raise APIError(400, f"Cache not flushed: the engine refused ({locked} cached tokens "
+                                f"are still in use); retry when the server is idle.",
+                           code="engine_busy")
         return "Cache flushed."
 
     try:

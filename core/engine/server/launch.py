@@ -49,8 +49,9 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
-    """Serve ``engine`` over HTTP until a signal stops it."""
+def build_server(engine, settings: ServerSettings, log_level: str = "info") -> _GracefulServer:
+    """The uvicorn server for ``engine`` (its ``runtime`` attribute is the engine loop); its
+    ``run()`` serves until a signal (or ``should_exit``) stops it."""
     metrics = ServerMetrics(settings.served_model_name)
     runtime = EngineRuntime(engine, metrics, engine.config.max_queued_requests)
     app = build_app(runtime, settings, metrics)
@@ -58,7 +59,13 @@ def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
                             access_log=log_level == "debug",
                             timeout_graceful_shutdown=settings.shutdown_grace_period,
                             lifespan="on")
+    return _GracefulServer(config, runtime)
+
+
+def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
+    """Serve ``engine`` over HTTP until a signal stops it."""
+    server = build_server(engine, settings, log_level)
     logger.info(f"serving '{settings.served_model_name}' on http://{settings.host}:"
                 f"{settings.port}")
-    _GracefulServer(config, runtime).run()
+    server.run()
     logger.info("server stopped")

@@ -1,7 +1,9 @@
 """Prometheus metrics for /metrics: one CollectorRegistry per server, fed on the engine thread.
 
 The names mirror SGLang's (``sglang:`` becomes ``engine:``) so that existing dashboards only
-need the prefix changed. Gauges are refreshed from the scheduler after every step and every
+need the prefix changed; vLLM's dashboards get theirs too (``vllm:`` becomes ``engine:``):
+``num_preemptions_total`` (our retractions) and ``gpu_cache_usage_perc`` /
+``kv_cache_usage_perc`` (used KV slots / total, 0 to 1, as vLLM reports it). Gauges are refreshed from the scheduler after every step and every
 batch of commands (an abort changes token usage without a step); counters are advanced by the
 difference of the scheduler's cumulative Counters, and the latency samples it collects are
 drained into histograms.
@@ -48,6 +50,11 @@ class ServerMetrics:
         self.queued = gauge("num_queue_reqs", "Requests waiting to be scheduled.")
         self.used_tokens = gauge("num_used_tokens", "KV slots held by running requests.")
         self.token_usage = gauge("token_usage", "Used KV slots / total KV slots.")
+        # vLLM's names for the same (the older and the newer spelling)
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV-cache usage, 1 = 100% (vLLM's "
+                                                             "name for token_usage).")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 1 = 100% (vLLM's "
+                                                           "name for token_usage).")
         self.gen_throughput = gauge("gen_throughput",
                                     f"Generated tokens per second over the last "
                                     f"{THROUGHPUT_WINDOW_S:g} s.")
@@ -55,6 +62,8 @@ class ServerMetrics:
                                     "Prompt tokens served from the prefix cache / prompt tokens.")
         self.retracted = counter("num_retracted_reqs", "Requests retracted when decode ran out "
                                                        "of KV slots.")
+        self.preemptions = counter("num_preemptions", "Cumulative preemptions (vLLM's name for "
+                                                      "retractions).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the cache.")
@@ -75,12 +84,15 @@ class ServerMetrics:
         self.queued.set(len(scheduler.waiting))
         used, total = scheduler.num_used_tokens, scheduler.kv.pool.size
         self.used_tokens.set(used)
-        self.token_usage.set(used / total if total else 0.0)
+        usage = used / total if total else 0.0
+        for gauge in (self.token_usage, self.gpu_cache_usage, self.kv_cache_usage):
+            gauge.set(usage)
         self.cache_hit_rate.set(c.cache_hit_rate)
-        for attr, metric in ((a, getattr(self, m)) for a, m in _COUNTED.items()):
+        for attr, names in _COUNTED.items():
             value = getattr(c, attr)
             if value > self._seen[attr]:
-                metric.inc(value - self._seen[attr])
+                for name in names:
+                    getattr(self, name).inc(value - self._seen[attr])
                 self._seen[attr] = value
         for samples, histogram in ((c.ttft, self.ttft), (c.e2e, self.e2e)):
             for x in samples:
@@ -101,7 +113,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-# Counters attribute -> metric attribute
-_COUNTED = {"retracted_reqs": "retracted", "prompt_tokens": "prompt_tokens",
-            "generation_tokens": "generation_tokens", "cached_tokens": "cached_tokens",
-            "finished_reqs": "finished", "aborted_reqs": "aborted"}
+# Counters attribute -> the metric attributes it advances
+_COUNTED = {"retracted_reqs": ("retracted", "preemptions"), "prompt_tokens": ("prompt_tokens",),
+            "generation_tokens": ("generation_tokens",), "cached_tokens": ("cached_tokens",),
+            "finished_reqs": ("finished",), "aborted_reqs": ("aborted",)}

@@ -21,6 +21,9 @@ from engine.server.prompt_logprobs import RETRY
 
 logger = logging.getLogger("engine.server")
 IDLE_WAKE_S = 0.5  # idle ticks keep the throughput gauge falling to zero
+# failed steps in a row (no step succeeding in between) after which the engine is declared
+# unable to serve (/health 503) instead of failing every new request the same way
+MAX_FAILED_STEPS = 3
 
 
 class QueueFull(Exception):
@@ -43,6 +46,9 @@ class EngineRuntime:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.failed: str | None = None
+        self._closed = False  # set by the engine thread as it leaves: no job will run again
+        self._pending: set[asyncio.Future] = set()  # call()s not answered yet (event loop only)
+        self._failed_steps = 0
         self._jobs: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
         self._deferred: list[Callable[[], Any]] = []
         self._wake = threading.Event()
@@ -58,10 +64,11 @@ class EngineRuntime:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failed is None
+        return self._thread.is_alive() and self.failed is None and not self._closed
 
     async def call(self, fn: Callable[[Any], Any]):
-        """Run ``fn(engine)`` on the engine thread between two steps; returns its result."""
+        """Run ``fn(engine)`` on the engine thread between two steps; returns its result.
+        EngineFailed if the engine loop is down, or goes down before it runs ``fn``."""
         if not self.alive:
             raise EngineFailed(self.failed or "the engine loop is not running")
         loop, fut = self.loop, self.loop.create_future()
@@ -77,9 +84,16 @@ class EngineRuntime:
                 result, error = None, EngineFailed("not enough free KV slots for this job")
             loop.call_soon_threadsafe(_settle, fut, result, error)
 
-        self._jobs.put(job)
-        self._wake.set()
-        return await fut
+        # no await between the alive check and here: either the engine thread is still to
+        # leave, and then _fail_pending (queued by it on this loop) answers ``fut``, or it left
+        # and ``alive`` said so above
+        self._pending.add(fut)
+        try:
+            self._jobs.put(job)
+            self._wake.set()
+            return await fut
+        finally:
+            self._pending.discard(fut)
 
     async def submit(self, items: list[tuple[Handle, Callable[[Any], tuple]]]) -> None:
         """Queue several prompts at once, all or none. Each ``prepare(engine) -> (prompt ids,
@@ -143,22 +157,25 @@ class EngineRuntime:
         except BaseException as e:  # a bug: say so on /health rather than hang every request
             logger.exception("the engine loop crashed")
             self.failed = f"the engine loop crashed: {type(e).__name__}: {e}"
-        self._fail_all(self.failed or "the server is shutting down",
-                       reason="error" if self.failed else "abort")
+        self._closed = True
+        message = self.failed or "the server is shutting down"
+        self._fail_all(message, reason="error" if self.failed else "abort")
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_pending, message)
 
     def _serve(self) -> None:
         scheduler = self.engine.scheduler
-        while not self._stop:
+        while not self._stop and self.failed is None:
             self._wake.clear()
             ran = self._run_jobs()
             if scheduler.has_work:
                 try:
                     touched = self.engine.step()
-                except Exception:  # a bug, not a bad request: fail loudly, keep serving
-                    logger.exception("engine step failed; aborting every running request")
-                    self._fail_all("internal error in the engine step (see the server log)")
-                    continue
-                self._publish(touched)
+                except Exception as e:  # a bug, not a bad request: fail loudly, keep serving
+                    self._step_failed(e)
+                else:
+                    self._failed_steps = 0
+                    self._publish(touched)
                 if self._deferred:
                     jobs, self._deferred = self._deferred, []
                     for job in jobs:
@@ -167,6 +184,43 @@ class EngineRuntime:
                 self._wake.wait(IDLE_WAKE_S)
             if self.metrics is not None:
                 self.metrics.sync(scheduler)
+
+    def _step_failed(self, e: Exception) -> None:
+        """Abort every request in flight with the error, then make sure the engine can go on:
+        nothing left queued or running and every KV slot free again (the prefix cache is
+        emptied: the failed step may have left anything in it). If that does not hold, or
+        MAX_FAILED_STEPS steps failed in a row, the engine is declared down (/health 503)."""
+        self._failed_steps += 1
+        what = f"{type(e).__name__}: {e}"
+        logger.exception(f"engine step failed ({what}); aborting every request in flight")
+        self._fail_all(f"internal error in the engine step ({what}); the request was aborted "
+                       f"(see the server log)")
+        problem = self._reset_after_failure()
+        if problem is None and self._failed_steps >= MAX_FAILED_STEPS:
+            problem = f"{self._failed_steps} engine steps in a row failed (the last: {what})"
+        if problem is not None:
+            self.failed = f"the engine cannot serve: {problem}"
+            logger.error(self.failed)
+        else:
+            logger.warning("the engine recovered from the failed step: no request in flight, "
+                           "every KV slot free, prefix cache emptied")
+
+    def _reset_after_failure(self) -> str | None:
+        """None when the engine is back to an empty, consistent state; else what is wrong."""
+        scheduler = self.engine.scheduler
+        pool = scheduler.kv.pool
+        try:
+            for r in [*scheduler.running, *scheduler.waiting]:  # not ours: none are expected
+                self.engine.abort(r)
+            if scheduler.kv.cache is not None and not self.engine.flush_cache():
+                return "the prefix cache could not be emptied after the failed step"
+        except Exception as e:  # noqa: BLE001 - reported as the reason the engine is down
+            return f"cleaning up after the failed step raised {type(e).__name__}: {e}"
+        if scheduler.has_work or pool.free_slots != pool.size or pool.free_reqs != pool.max_reqs:
+            return (f"the KV pool did not come back after the failed step ({pool.free_slots} "
+                    f"of {pool.size} slots and {pool.free_reqs} of {pool.max_reqs} request "
+                    f"rows free with nothing running)")
+        return None
 
     def _run_jobs(self) -> bool:
         ran = False
@@ -219,6 +273,12 @@ class EngineRuntime:
         self._live.clear()
         if out and self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(_deliver, out)
+
+
+    def _fail_pending(self, message: str) -> None:
+        """Event loop thread: answer every call() the engine thread will never run."""
+        for fut in list(self._pending):
+            _settle(fut, None, EngineFailed(message))
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:

@@ -16,9 +16,9 @@ def register_quantization_methods(register):
 def register_kv_cache_dtypes(register):
     import torch
 
-    from engine.interfaces import KVDtype
+    from engine_quant_fp8.kv import FP8KVDtype
 
-    # per-layer K/V scales (1.0, or the checkpoint's k_scale / v_scale); the pool divides on
-    # write and multiplies on read
-    register("fp8_e4m3", KVDtype(torch.float8_e4m3fn, needs_scale=True, description="float8 e4m3"))
-    register("fp8_e5m2", KVDtype(torch.float8_e5m2, needs_scale=True, description="float8 e5m2"))
+    # per-layer K/V scales (1.0, or the checkpoint's k_scale / v_scale); the pool stores and
+    # loads through these objects (kv.py)
+    register("fp8_e4m3", FP8KVDtype(torch.float8_e4m3fn, description="float8 e4m3"))
+    register("fp8_e5m2", FP8KVDtype(torch.float8_e5m2, description="float8 e5m2"))

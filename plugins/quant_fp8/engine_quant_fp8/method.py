@@ -3,11 +3,17 @@
 Checkpoints: a bf16/fp32 one is quantized at load (per output channel, e4m3); an FP8 one in
 the vLLM / llm-compressor layout (config.json ``quantization_config.quant_method == "fp8"``,
 float8_e4m3fn weights with ``weight_scale``) is loaded as it is. ``ignored_layers`` stay
-unquantized; block-wise checkpoints (``weight_block_size``) are refused.
+unquantized; block-wise checkpoints (``weight_block_size``) are refused. ``activation_scheme``
+"static" makes every layer use its checkpoint ``input_scale`` (see linear.py); "dynamic" (the
+default) refuses checkpoints that carry one.
+
+Each layer's forward path is decided in ``process_weights``; once the last one is, one log line
+says how many layers take which path, and why the others do not take the fast one.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -36,9 +42,37 @@ def usable_fast(layer: FP8Linear) -> bool:
     return layer.in_features % 16 == 0 and layer.out_features % 16 == 0
 
 
+FAST = "torch._scaled_mm"
+DEQUANTIZE = "weights stay FP8 and are dequantized per layer in the forward"
+ODD_SIZES = "in/out features not multiples of 16"
+
+
+def layer_name(layer: FP8Linear) -> str:
+    return f"{layer.prefix}.{'+'.join(layer.shards)}" if layer.shards else layer.prefix
+
+
+def path_summary(decided: list[tuple[str, str, str]], static: bool) -> str:
+    """One line from (path, reason, layer name) per layer: the count per path and reason,
+    naming the first few layers that miss the fast path only because of their sizes."""
+    total, groups = len(decided), {}
+    for path, reason, name in decided:
+        groups.setdefault((path, reason), []).append(name)
+    parts = []
+    for (path, reason), names in sorted(groups.items(), key=lambda g: g[0][0] != FAST):
+        why = [reason] if reason != ODD_SIZES else [
+            f"{reason}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"]
+        if static:
+            why.append("activations rounded to FP8 with the checkpoint's static input_scale")
+        elif path == FAST:
+            why.append("activations quantized per token")
+        parts.append(f"{path} in {len(names)} of {total} ({'; '.join(w for w in why if w)})")
+    return f"fp8 linear layers: {'; '.join(parts)}"
+
+
 class FP8Method(QuantMethod):
     def __init__(self):
-        self._logged = False
+        self._expected = 0  # FP8Linear layers the last convert() swapped in
+        self._decided: list[tuple[str, str, str]] = []
 
     def detect(self, hf_config: dict) -> bool:
         qc = hf_config.get("quantization_config") or {}
@@ -53,9 +87,18 @@ class FP8Method(QuantMethod):
                 f"This FP8 checkpoint is block-wise quantized (weight_block_size "
                 f"{qc['weight_block_size']}); engine-quant-fp8 loads per-tensor and "
                 f"per-channel FP8 checkpoints only.")
+        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("static", "dynamic"):
+            raise EngineError(f"This FP8 checkpoint's activation_scheme is "
+                              f"{qc['activation_scheme']!r}; engine-quant-fp8 supports "
+                              f"'static' (per-tensor input_scale) and 'dynamic'.")
         ignored = set(qc.get("ignored_layers") or ())
-        swap_quantizable(model, FP8Linear.like, ignored)
-        self._logged = False
+        make = functools.partial(FP8Linear.like, static_input=scheme == "static")
+        swap_quantizable(model, make, ignored)
+        self._expected = sum(isinstance(m, FP8Linear) for m in model.modules())
+        self._decided = []
+        if self._expected == 0:
+            logger.info("fp8 linear layers: none (every quantizable layer is in ignored_layers)")
         return model
 
     def process_weights(self, module) -> None:
@@ -63,9 +106,11 @@ class FP8Method(QuantMethod):
             return
         module.finish_loading()
         reason = fast_path_reason(module.weight.device)
-        module.fast = reason is None and usable_fast(module)
-        if not self._logged:
-            self._logged = True
-            how = ("torch._scaled_mm, activations quantized per token" if reason is None else
-                   f"weights stay FP8 and are dequantized per layer in the forward ({reason})")
-            logger.info(f"fp8 linear layers: {how}")
+        if reason is None and not usable_fast(module):
+            reason = ODD_SIZES
+        module.fast = reason is None
+        self._decided.append((FAST if module.fast else DEQUANTIZE, reason or "",
+                              layer_name(module)))
+        if len(self._decided) >= self._expected:  # the model's last FP8 layer
+            logger.info(path_summary(self._decided, module.input_scale is not None))
+            self._decided, self._expected = [], 0

@@ -46,4 +46,3 @@ def widen_e4m3(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # which the sign extension set for negative values
     bits = (bits << 7).bitwise_and_(-16385)  # -16385 == 0xBFFF as int16
     return bits.view(torch.float16).to(dtype)
-

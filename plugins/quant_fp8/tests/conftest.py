@@ -1,5 +1,6 @@
-"""Fixtures: a fixed prompt set and teacher-forced logits over it (the tiny-model fixtures and
-``make_runner`` come from the repository's root conftest.py)."""
+"""Fixtures: a fixed prompt set, teacher-forced logits over it, and how far logits are from a
+reference's (the tiny-model fixtures and ``make_runner`` come from the repository's root
+conftest.py)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,16 @@ def forced():
     from engine.testing import teacher_forced_logits
 
     return lambda runner, prompts: teacher_forced_logits(runner, prompts, PREFILL)
+
+
+@pytest.fixture(scope="session")
+def logit_error():
+    """``(got, ref) -> (rel_rms, max_err)``: the RMS of ``got - ref`` over the RMS of ``ref``'s
+    spread around each position's mean (a shift that softmax ignores), and the largest
+    ``|got - ref|`` in units of ``ref``'s standard deviation."""
+    def measure(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+        diff = got - ref
+        spread = ref - ref.mean(-1, keepdim=True)
+        return (diff.norm() / spread.norm()).item(), (diff.abs().max() / ref.std()).item()
+
+    return measure

@@ -8,10 +8,13 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from engine.device import DeviceInfo
+from engine.interfaces import KVDtype
+from engine.memory.kv_pool import KVPool
 from engine.plugins import get_registries, load_plugins
 from engine.registry import resolve_attention_backend, resolve_quantization
 from engine.testing import load_float_weight
 from engine_cli.main import cli
+from engine_quant_fp8.kv import FP8KVDtype
 from engine_quant_fp8.linear import FP8Linear
 from engine_quant_fp8.quant import E4M3, E5M2, dequantize, quantize_rows, widen_e4m3
 
@@ -33,6 +36,9 @@ def test_registration_shape():
     e4m3 = regs.kv_dtypes.get("fp8_e4m3").obj
     assert e4m3.storage == torch.float8_e4m3fn and e4m3.needs_scale
     assert regs.kv_dtypes.get("fp8_e5m2").obj.storage == torch.float8_e5m2
+    # the formats are the plugin's own KVDtype subclass: the pool stores and loads through it
+    assert all(isinstance(regs.kv_dtypes.get(n).obj, FP8KVDtype) for n in ("fp8_e4m3",
+                                                                           "fp8_e5m2"))
 
 
 def test_usable_on_cpu_and_on_gpus_without_fp8_tensor_cores():
@@ -92,9 +98,51 @@ def test_widen_is_exact_for_every_finite_e4m3_code():
         assert torch.equal(widen_e4m3(q, dtype).float() * 256, q.float())
 
 
-def make_layer(w: torch.Tensor, shards=None, bias=None) -> FP8Linear:
-    layer = FP8Linear(w.shape[1], w.shape[0], None if bias is None else bias.dtype, shards)
-    load_float_weight(layer, w, bias).finish_loading()
+def finite_codes(dtype: torch.dtype) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    return codes[torch.isfinite(codes.float())]
+
+
+@pytest.mark.parametrize("storage", [E4M3, E5M2])
+def test_fp8_kv_formats_store_and_load_like_the_interfaces_scaled_rule(storage):
+    """The plugin's e4m3 load widens bytes on CPU instead of torch's cast (2x faster there):
+    equal to the interface's default for every finite code, scale and activation dtype. Store
+    is the default: value / scale, clamped to the format's range (no inf, no NaN)."""
+    ours, rule = FP8KVDtype(storage), KVDtype(storage, needs_scale=True)
+    q = finite_codes(storage)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for scale in (1.0, 0.37, 3.0, 2.0 ** -7):
+            assert torch.equal(ours.load(q, scale, dtype), rule.load(q, scale, dtype))
+    x = torch.tensor([1e6, -1e6, 3.0, 0.0])
+    stored = ours.store(x, 0.5, storage)
+    assert stored.dtype == storage and torch.equal(stored, rule.store(x, 0.5, storage))
+    fmax = torch.finfo(storage).max
+    assert ours.load(stored, 0.5, torch.float32).tolist() == [fmax / 2, -fmax / 2, 3.0, 0.0]
+
+
+def test_a_pool_of_a_registered_fp8_format_reads_through_it():
+    kv = get_registries().kv_dtypes.get("fp8_e4m3").obj
+    pool = KVPool(1, 2, 4, 16, torch.float8_e4m3fn, kv_dtype=kv)
+    assert pool.kv_dtype is kv and pool.needs_scale and pool.dtype == torch.float8_e4m3fn
+    pool.k_scale[0], pool.v_scale[0] = 0.5, 4.0
+    loc = torch.tensor([2, 5, 7])
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4) * 100
+    pool.set_kv(0, loc, k, v)
+    assert torch.equal(pool.k_buffer[0][loc].view(torch.uint8),
+                       (k / 0.5).to(E4M3).view(torch.uint8))
+    got_k, got_v = pool.get_kv(0, loc, torch.float32)
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2**-4 of the value (above its subnormals)
+    assert ((got_k - k).abs() <= 2 ** -4 * k.abs() + 2 ** -10).all()
+    assert ((got_v - v).abs() <= 2 ** -4 * v.abs() + 2 ** -10 * 4).all()
+
+
+def make_layer(w: torch.Tensor, shards=None, bias=None, input_scale=None) -> FP8Linear:
+    layer = FP8Linear(w.shape[1], w.shape[0], None if bias is None else bias.dtype, shards,
+                      static_input=input_scale is not None)
+    load_float_weight(layer, w, bias)
+    if input_scale is not None:
+        layer.load_tensor("input_scale", torch.tensor(input_scale), None)
+    layer.finish_loading()
     return layer
 
 
@@ -125,16 +173,20 @@ def test_packed_layer_loads_each_projection_with_its_own_scale():
         torch.testing.assert_close(part.T, rows, rtol=2 ** -4, atol=1e-4 * rows.abs().max())
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_scaled_mm_fast_path_matches_the_dequantize_path(device):
-    """On CUDA >= 8.9 the real FP8 GEMM. torch also implements _scaled_mm on CPU (slower there
-    than widening, so the plugin does not use it), which checks this call's shapes, scale
-    layout and dtypes without a GPU."""
+def skip_without_an_fp8_gpu(device: str) -> None:
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("torch._scaled_mm FP8 needs compute capability >= 8.9")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_scaled_mm_fast_path_matches_the_dequantize_path(device):
+    """On CUDA >= 8.9 the real FP8 GEMM. torch also implements _scaled_mm on CPU (slower there
+    than widening, so the plugin does not use it), which checks this call's shapes, scale
+    layout and dtypes without a GPU."""
+    skip_without_an_fp8_gpu(device)
     from engine_quant_fp8.method import FP8Method
 
     gen = torch.Generator().manual_seed(3)
@@ -151,3 +203,30 @@ def test_scaled_mm_fast_path_matches_the_dequantize_path(device):
     # the fast path also quantizes activations (e4m3, per token): ~1-2% of the output norm
     rel = (fast - slow).norm() / slow.norm()
     assert rel < 0.05, rel
+
+
+def round_activations(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x.float() / scale).clamp(-448, 448).to(E4M3).float() * scale
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_static_input_scale_rounds_the_activations_on_both_paths(device):
+    """A static input_scale: x is rounded to e4m3 with it (clamped to ±448: 9.0 below clips)
+    before the matmul, on the dequantize path and on the torch._scaled_mm one (which runs on
+    CPU too, as above)."""
+    skip_without_an_fp8_gpu(device)
+    gen = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(256, 128, generator=gen) * 0.05, torch.randn(256, generator=gen)
+    x = torch.randn(37, 128, generator=gen)
+    x[0, 0] = 9.0  # past 448 * 0.02
+    layer = make_layer(w, bias=bias, input_scale=0.02).to(device)
+    assert not layer.fast and layer.input_scale.item() == pytest.approx(0.02)
+    q, scale = quantize_rows(w)
+    ref = F.linear(round_activations(x, 0.02), dequantize(q, scale), bias)
+    torch.testing.assert_close(layer(x.to(device)).cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert (ref - F.linear(x, dequantize(q, scale), bias)).abs().max() > 0.01
+    layer.fast = True  # the same rounded x into the FP8 GEMM; its output is bfloat16
+    xb = x.bfloat16()
+    fast = layer(xb.to(device)).float().cpu()
+    ref_b = F.linear(round_activations(xb, 0.02), dequantize(q, scale), bias)
+    assert ((fast - ref_b).abs() <= 2 ** -7 * ref_b.abs().amax(1, keepdim=True)).all()
