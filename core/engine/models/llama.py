@@ -1,6 +1,7 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Module names follow
 the HF checkpoints so the loader maps names one to one, except the packed projections (qkv_proj,
-gate_up_proj: MergedLinear, whose shards are the checkpoint's q/k/v and gate/up projections)."""
+gate_up_proj: MergedLinear, whose shards are the checkpoint's q/k/v and gate/up projections).
+With a tensor-parallel group each rank builds its shard (engine.parallel.layers)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,37 @@ from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                    VocabParallelEmbedding)
+from engine.parallel.shard import Cut, kv_cut, rank_head_counts, split_evenly
 from engine.registry import EngineError
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = MergedLinear(
-            c.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, c.qkv_bias)
-        self.o_proj = Linear(q_size, c.hidden_size, c.o_bias)
+        if tp is None:
+            self.qkv_proj = MergedLinear(c.hidden_size, {"q_proj": q_size, "k_proj": kv_size,
+                                                         "v_proj": kv_size}, c.qkv_bias)
+            self.o_proj = Linear(q_size, c.hidden_size, c.o_bias)
+        else:  # this rank's heads: q split, k/v split or one replicated head
+            self.num_heads, self.num_kv_heads = rank_head_counts(c.num_heads, c.num_kv_heads,
+                                                                 tp.size)
+            q_cut = Cut(0, tp.size, tp.rank)
+            kv = (kv_size, kv_cut(c.num_kv_heads, tp.rank, tp.size))
+            self.qkv_proj = ColumnParallelLinear(
+                c.hidden_size, {"q_proj": (q_size, q_cut), "k_proj": kv, "v_proj": kv},
+                c.qkv_bias, tp)
+            self.o_proj = RowParallelLinear(q_size, c.hidden_size, c.o_bias, tp,
+                                            "attention heads' columns of o_proj")
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.attn = Attention(layer_id, c.num_heads, c.num_kv_heads, c.head_dim)
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, c.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -57,13 +73,21 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         c = config
-        self.gate_up_proj = MergedLinear(
-            c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size},
-            c.mlp_bias)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+        if tp is None:
+            self.gate_up_proj = MergedLinear(
+                c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size},
+                c.mlp_bias)
+            self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+            return
+        split_evenly(c.intermediate_size, tp.size, "intermediate_size rows")
+        rows = (c.intermediate_size, Cut(0, tp.size, tp.rank))
+        self.gate_up_proj = ColumnParallelLinear(
+            c.hidden_size, {"gate_proj": rows, "up_proj": rows}, c.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, tp,
+                                           "intermediate_size columns of down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
@@ -71,12 +95,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_id)
+        self.self_attn = SelfAttention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -84,10 +108,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size) if tp is None else
+                             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
@@ -101,11 +126,13 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
+        """``tp``: build this rank's shard of every layer (None: the whole model, one process)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.model = DecoderModel(config, tp)
+        self.lm_head = (LMHead(config.hidden_size, config.vocab_size) if tp is None else
+                        ParallelLMHead(config.hidden_size, config.vocab_size, tp))
         if config.tie_word_embeddings:
             self.tie_weights()
 

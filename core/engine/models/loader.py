@@ -7,6 +7,11 @@ By default a tensor is copied into the parameter of that name. A module may take
 defines ``checkpoint_tensors() -> (required, optional)``, the local names it accepts, and
 ``load_tensor(name, tensor, shard)``. A packed module (``shard_names``, ``shard_rows(shard)``; see
 layers/linear.py) gets its projections' tensors with ``shard`` set to the projection's name.
+
+With a tensor-parallel group (``tp``) the model is built sharded (engine.parallel.layers) and a
+module that is cut says how (``tp_cut(local, shard)``): the loader keeps only the rank's chunk.
+From safetensors it reads only that chunk (``get_slice``); a GGUF's tensors arrive whole
+(dequantized one at a time) and are cut before they are copied, so a rank holds its shard only.
 """
 
 from __future__ import annotations
@@ -52,24 +57,70 @@ def checkpoint_index(model: nn.Module) -> dict[str, tuple[nn.Module, str, str | 
     return index
 
 
+def _tp_cut(module: nn.Module, local: str, shard: str | None):
+    return module.tp_cut(local, shard) if hasattr(module, "tp_cut") else None
+
+
 def _copy(module: nn.Module, local: str, shard: str | None, tensor: torch.Tensor,
-          name: str, ckpt: Checkpoint) -> None:
+          name: str, ckpt: Checkpoint, cut=None, full_shape=None) -> None:
+    """Copy ``tensor`` into the parameter; with a tp ``cut`` it is the rank's chunk of a
+    checkpoint tensor of ``full_shape``, which must cut into the parameter's shape (the last
+    vocab chunk may be short: the parameter's padding rows stay zero)."""
     param = getattr(module, local)
     if shard is not None:
         start, rows = module.shard_rows(shard)
         param = param.narrow(0, start, rows)
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise EngineError(f"Tensor {ckpt.label(name)} has shape {tuple(tensor.shape)} in the "
-                          f"checkpoint but the model expects {tuple(param.shape)} "
+    got = tuple(tensor.shape if cut is None else full_shape)
+    if cut is not None and param.shape[cut.dim] == cut.size(full_shape[cut.dim]):
+        param = param.narrow(cut.dim, 0, tensor.shape[cut.dim])
+        got = tuple(tensor.shape)
+    if tuple(param.shape) != got:
+        what = "" if cut is None else f", cut for tp rank {cut.index} of {cut.parts}"
+        raise EngineError(f"Tensor {ckpt.label(name)} has shape {tuple(full_shape or got)} in "
+                          f"the checkpoint but the model expects {tuple(param.shape)}{what} "
                           f"({ckpt.mismatch_hint}).")
     param.copy_(tensor)  # converts to the model's dtype and device
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+def _read_cut(sl, cut) -> torch.Tensor:
+    """The rank's chunk of a safetensors slice, read alone."""
+    start, length = cut.bounds(sl.get_shape()[cut.dim])
+    index = [slice(None)] * cut.dim + [slice(start, start + length)]
+    return sl[tuple(index)]
+
+
+def _tensors(ckpt: Checkpoint, dtype: torch.dtype, index: dict, tp):
+    """(name, tensor as read, its cut or None, its full shape) for every checkpoint tensor;
+    with ``tp`` a tensor that is cut comes as the rank's chunk (read alone from safetensors)."""
+    if tp is None:
+        for name, tensor in ckpt.tensors(dtype):
+            yield name, tensor, None, tuple(tensor.shape)
+        return
+    if ckpt.format == "hf":
+        from safetensors import safe_open
+
+        from engine.models.checkpoint import safetensors_files
+
+        for path in safetensors_files(ckpt.path):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    cut = _tp_cut(*index[name][:3]) if name in index else None
+                    if cut is None:
+                        yield name, f.get_tensor(name), None, None
+                    else:
+                        sl = f.get_slice(name)
+                        yield name, _read_cut(sl, cut), cut, tuple(sl.get_shape())
+        return
+    for name, tensor in ckpt.tensors(dtype):  # a GGUF: whole tensors, cut here
+        cut = _tp_cut(*index[name][:3]) if name in index else None
+        yield name, tensor if cut is None else cut.apply(tensor), cut, tuple(tensor.shape)
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, tp=None) -> None:
     index = checkpoint_index(model)
     seen = set()
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, tensor in ckpt.tensors(dtype):
+    for name, tensor, cut, full_shape in _tensors(ckpt, dtype, index, tp):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # a tied head is the embedding; some checkpoints store it anyway
         if name not in index:
@@ -80,7 +131,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
         if hasattr(module, "load_tensor"):
             module.load_tensor(local, tensor, shard)
         else:
-            _copy(module, local, shard, tensor, name, ckpt)
+            _copy(module, local, shard, tensor, name, ckpt, cut, full_shape)
         seen.add(name)
     missing = sorted(n for n, (*_, required) in index.items() if required and n not in seen)
     if missing:
@@ -91,10 +142,14 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype) -> None
 
 @torch.no_grad()
 def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="cpu",
-               quant_method=None) -> nn.Module:
+               quant_method=None, tp=None) -> nn.Module:
+    """``tp``: this rank's TPGroup (engine.parallel.group); the model holds only its shard."""
+    if tp is not None and quant_method is not None:
+        raise EngineError("tensor parallelism does not support quantized models yet; serve "
+                          "without --quantization or with --tp-size 1.")
     with torch.device("meta"):
         # dtype first (free on meta), then one allocation on the device, no init pass
-        model = model_cls(config).to(dtype=dtype)
+        model = (model_cls(config) if tp is None else model_cls(config, tp=tp)).to(dtype=dtype)
         if quant_method is not None:
             # after the cast, which would widen the swapped-in quantized tensors too
             model = quant_method.convert(model)
@@ -104,7 +159,7 @@ def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="
     for module in model.modules():
         if module is not model and hasattr(module, "init_buffers"):
             module.init_buffers()
-    load_weights(model, ckpt, dtype)
+    load_weights(model, ckpt, dtype, tp)
     if quant_method is not None:
         for module in model.modules():
             quant_method.process_weights(module)
