@@ -15,6 +15,7 @@ SECTIONS = (
     ("quantization", "Quantization methods"),
     ("kv_dtypes", "KV-cache dtypes"),
     ("parallel", "Parallel strategies"),
+    ("routing", "Routing policies (--dp-size)"),
     ("models", "Model architectures"),
 )
 

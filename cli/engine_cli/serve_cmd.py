@@ -6,10 +6,14 @@ import logging
 
 import click
 
-from engine_cli.options import EngineCommand, engine_options, split_options
+from engine_cli.options import EngineCommand, RegistryChoice, engine_options, split_options
 
 SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
                 "max_request_bytes", "shutdown_grace_period")
+# the dp front's own flags: not passed on to its replicas
+ROUTER_FLAGS = ("dp_size", "router_policy", "router_balance_abs_threshold",
+                "router_balance_rel_threshold", "router_cache_threshold")
+FRONT_ONLY = (*ROUTER_FLAGS, "host", "port")
 
 
 @click.command("serve", cls=EngineCommand, context_settings={"show_default": True})
@@ -28,8 +32,32 @@ SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
               help="Larger request bodies get a 413.")
 @click.option("--shutdown-grace-period", default=30.0, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")
+@click.option("--dp-size", "--data-parallel-size", "dp_size", default=1,
+              type=click.IntRange(min=1),
+              help="Engine replicas (processes), each with the whole model, behind one HTTP "
+                   "front that routes every request to one of them.")
+@click.option("--router-policy", default="cache_aware", type=RegistryChoice("routing"),
+              help="How the --dp-size front picks a replica.")
+@click.option("--router-balance-abs-threshold", default=32, type=click.IntRange(min=0),
+              help="cache_aware: the load is imbalanced (route to the least loaded) when the "
+                   "busiest replica has more than this many requests more than the idlest...")
+@click.option("--router-balance-rel-threshold", default=1.0001, type=click.FloatRange(min=1),
+              help="...and more than this many times as many.")
+@click.option("--router-cache-threshold", default=0.5, type=click.FloatRange(0, 1),
+              help="cache_aware: the share of a prompt a replica's prefix tree must match for "
+                   "the prompt to go there (else to the replica with the smallest tree).")
 def serve_command(**kwargs):
     """Serve a model over HTTP (OpenAI-compatible and SGLang-style routes)."""
+    ctx = click.get_current_context()
+    if kwargs["dp_size"] > 1:
+        _serve_dp(ctx, kwargs)
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[1:] if _given(ctx, k)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only apply with --dp-size > 1 (the router "
+                               f"of the replicas); drop them or give --dp-size.")
+    for k in ROUTER_FLAGS:
+        kwargs.pop(k)
     from engine.engine import Engine
     from engine.registry import EngineError
     from engine.server.launch import serve
@@ -45,3 +73,58 @@ def serve_command(**kwargs):
         raise click.UsageError(str(e)) from None
     server["served_model_name"] = server["served_model_name"] or engine.model_name
     serve(engine, ServerSettings(model_path=engine.checkpoint.path, **server), log_level)
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source not in (None, click.core.ParameterSource.DEFAULT,
+                          click.core.ParameterSource.DEFAULT_MAP)
+
+
+def replica_args(ctx: click.Context) -> list[str]:
+    """The command line of one replica: every flag given to this command but the front's."""
+    args: list[str] = []
+    for param in ctx.command.get_params(ctx):
+        name = param.name
+        if not isinstance(param, click.Option) or name in FRONT_ONLY or not _given(ctx, name):
+            continue
+        value = ctx.params[name]
+        if param.is_flag and param.secondary_opts:
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            if value:
+                args.append(param.opts[0])
+        elif value is not None:
+            args += [param.opts[0], ",".join(map(str, value)) if isinstance(value, list)
+                     else str(value)]
+    return args
+
+
+def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
+    from engine.config import EngineConfig
+    from engine.registry import EngineError
+    from engine.router.launch import serve_dp
+    from engine.router.policy import RouterOptions
+
+    config, server = split_options(kwargs, ctx.command.plugin_dests, SERVER_FLAGS)
+    router = {k: config.pop(k) for k in ROUTER_FLAGS}
+    if router["router_policy"] in ("round_robin", "shortest_queue"):
+        unused = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[2:] if _given(ctx, k)]
+        if unused:
+            raise click.UsageError(f"{', '.join(unused)}: only cache_aware uses them, not "
+                                   f"--router-policy {router['router_policy']}; drop them.")
+    logging.basicConfig(level=server["log_level"].upper(),
+                        format="[%(asctime)s %(levelname)s] %(message)s")
+    try:  # refuse bad engine flags here, before N replicas start and each refuses them
+        EngineConfig(**config).validate()
+        options = RouterOptions(router["dp_size"], router["router_balance_abs_threshold"],
+                                router["router_balance_rel_threshold"],
+                                router["router_cache_threshold"]).validate()
+    except (EngineError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        serve_dp(replica_args(ctx), options, router["router_policy"], server["host"],
+                 server["port"], server["api_key"], server["shutdown_grace_period"],
+                 server["log_level"])
+    except RuntimeError as e:  # a replica that did not start
+        raise click.ClickException(str(e)) from None

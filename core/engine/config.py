@@ -97,8 +97,10 @@ class EngineConfig:
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.tp_size == 1,
              f"--tp-size {self.tp_size}: tensor parallelism is not implemented yet; use 1")
+        need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
         need(self.dp_size == 1,
-             f"--dp-size {self.dp_size}: data parallelism is not implemented yet; use 1")
+             f"dp_size {self.dp_size}: one Engine is one replica; N replicas are N processes "
+             f"behind a router: run `engine serve --dp-size {self.dp_size}`")
         return self
 
     def _fold_vllm_spellings(self, need) -> None:

@@ -49,6 +49,13 @@ def register_schedule_policies(register):
 
 
 @hookspec
+def register_routing_policies(register):
+    """Register ``--router-policy`` policies of the ``--dp-size`` front: ``register(name,
+    factory, *, description="")``; ``factory(options) -> RoutingPolicy`` (see
+    :mod:`engine.router.policy`; ``options`` is an :class:`engine.router.policy.RouterOptions`)."""
+
+
+@hookspec
 def register_parallel_strategies(register):
     """Register parallel strategies: ``register(name, strategy, *, check=None)`` with a
     :class:`engine.interfaces.ParallelStrategy`."""

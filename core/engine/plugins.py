@@ -18,6 +18,7 @@ DEFAULT_PLUGINS = (
     "engine.builtins.kv_dtypes",
     "engine.builtins.models",
     "engine.builtins.parallel",
+    "engine.builtins.routing_policies",
     "engine.builtins.select",
 )
 
@@ -117,6 +118,9 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
     def policy(name, factory, *, cache_aware=False):
         add(regs.policies, "policies", name, factory, cache_aware=cache_aware)
 
+    def routing(name, factory, *, description=""):
+        add(regs.routing, "routing", name, factory, description=description)
+
     def parallel(name, strategy, *, check=None):
         add(regs.parallel, "parallel", name, strategy, check)
 
@@ -131,14 +135,14 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         "register_attention_backends": attention, "register_kv_cache_dtypes": kv_dtype,
         "register_quantization_methods": quantization, "register_schedule_policies": policy,
         "register_parallel_strategies": parallel, "register_models": model,
-        "register_serve_options": serve_option,
+        "register_serve_options": serve_option, "register_routing_policies": routing,
     }[hook]
 
 
 REGISTRATION_HOOKS = (
     "register_kv_cache_dtypes", "register_attention_backends", "register_quantization_methods",
     "register_schedule_policies", "register_parallel_strategies", "register_models",
-    "register_serve_options",
+    "register_serve_options", "register_routing_policies",
 )
 
 

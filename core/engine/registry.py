@@ -140,12 +140,13 @@ class Registries:
     policies: Registry = field(default_factory=lambda: Registry("schedule policy"))
     parallel: Registry = field(default_factory=lambda: Registry("parallel strategy"))
     models: Registry = field(default_factory=lambda: Registry("model architecture"))
+    routing: Registry = field(default_factory=lambda: Registry("routing policy"))
     serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
 
     def all(self) -> dict[str, Registry]:
         return {"attention": self.attention, "kv_dtypes": self.kv_dtypes,
                 "quantization": self.quantization, "policies": self.policies,
-                "parallel": self.parallel, "models": self.models}
+                "parallel": self.parallel, "models": self.models, "routing": self.routing}
 
 
 def resolve_kv_dtype(regs: Registries, name: str) -> Entry:

@@ -21,16 +21,22 @@ from engine.server.serving import ServerSettings
 logger = logging.getLogger("engine.server")
 
 
-class _GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, runtime: EngineRuntime):
+class GracefulServer(uvicorn.Server):
+    """uvicorn that marks ``owner.draining`` on SIGTERM/SIGINT (logging ``on_signal`` once) and
+    exits 0 after its graceful stop. ``owner``: the engine runtime, or the dp front's router."""
+
+    def __init__(self, config: uvicorn.Config, owner, on_signal: str):
         super().__init__(config)
-        self.runtime = runtime
+        self.owner, self.on_signal = owner, on_signal
+
+    @property
+    def runtime(self):
+        return self.owner
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.runtime.draining:
-            logger.info(f"signal {signal.Signals(sig).name}: draining (grace period "
-                        f"{self.config.timeout_graceful_shutdown:g} s)")
-        self.runtime.draining = True
+        if not self.owner.draining:
+            logger.info(f"signal {signal.Signals(sig).name}: {self.on_signal}")
+        self.owner.draining = True
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -49,7 +55,7 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def build_server(engine, settings: ServerSettings, log_level: str = "info") -> _GracefulServer:
+def build_server(engine, settings: ServerSettings, log_level: str = "info") -> GracefulServer:
     """The uvicorn server for ``engine`` (its ``runtime`` attribute is the engine loop); its
     ``run()`` serves until a signal (or ``should_exit``) stops it."""
     metrics = ServerMetrics(settings.served_model_name)
@@ -59,7 +65,8 @@ def build_server(engine, settings: ServerSettings, log_level: str = "info") -> _
                             access_log=log_level == "debug",
                             timeout_graceful_shutdown=settings.shutdown_grace_period,
                             lifespan="on")
-    return _GracefulServer(config, runtime)
+    return GracefulServer(config, runtime, f"draining (grace period "
+                                           f"{settings.shutdown_grace_period:g} s)")
 
 
 def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:

@@ -1,0 +1,319 @@
+"""The dp front's starlette app: each generation request goes to the replica the routing policy
+picks; /flush_cache goes to every replica; /metrics and /get_server_info report per replica and
+in total.
+
+A replica found dead (its process exited, or it refuses connections) is taken out of rotation;
+a request not yet sent moves to another replica, one already answered in part ends with a 502
+(an SSE error event when streaming), never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.router.aggregate import aggregate
+from engine.router.policy import ReplicaView, RouterOptions
+from engine.router.replicas import Replica, ReplicaSet
+from engine.server import errors
+from engine.server.errors import APIError
+
+logger = logging.getLogger("engine.router")
+CHECK_INTERVAL_S = 0.5
+EXIT_WAIT_S = 2.0  # after a broken connection, how long to wait for the replica's exit
+_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def routing_text(body: bytes) -> str:
+    """What the policy matches on: the prompt, the messages or the input ids, as text."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(obj, dict):
+        return ""
+    for key in ("prompt", "messages", "text", "input_ids"):
+        if key in obj:
+            value = obj[key]
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return ""
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e) or 'connection lost'}"
+
+
+class Router:
+    def __init__(self, replicas: ReplicaSet, policy, options: RouterOptions, policy_name: str,
+                 api_key: str | None):
+        self.set, self.policy, self.options = replicas, policy, options
+        self.policy_name, self.api_key = policy_name, api_key
+        self.client: httpx.AsyncClient | None = None
+        self.draining = False
+        self.forgotten: set[int] = set()  # dead ranks the policy was told about
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def kill(self, r: Replica, reason: str) -> None:
+        r.mark_dead(reason)
+        self.forget_dead()
+
+    def forget_dead(self) -> None:
+        """Tell the policy, once, about each replica that died."""
+        for r in self.set.replicas:
+            if not r.alive and r.rank not in self.forgotten:
+                self.forgotten.add(r.rank)
+                self.policy.remove(r.rank)
+
+    def pick(self, text: str) -> Replica:
+        self.set.check_exits()
+        self.forget_dead()
+        live = self.set.live()
+        if not live:
+            raise APIError(503, "no dp replica is alive (see /get_server_info for why each "
+                                "one stopped)", code="no_replica")
+        views = [ReplicaView(r.rank, r.load) for r in live]
+        rank = self.policy.choose(text, views)
+        chosen = next((r for r in live if r.rank == rank), None)
+        if chosen is None:
+            raise RuntimeError(f"routing policy {self.policy_name!r} chose dp rank {rank}, "
+                               f"which is not a live replica ({[r.rank for r in live]})")
+        return chosen
+
+    async def monitor(self) -> None:
+        while True:
+            self.set.check_exits()
+            self.forget_dead()
+            await asyncio.sleep(CHECK_INTERVAL_S)
+
+    async def forward(self, request: Request) -> Response:
+        if self.draining:
+            raise APIError(503, "shutting down")
+        body = await request.body()
+        text = routing_text(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers.update(self.headers)
+        while True:
+            r = self.pick(text)
+            req = self.client.build_request(request.method, r.url + request.url.path,
+                                            params=request.query_params, content=body,
+                                            headers=headers)
+            r.load += 1
+            try:
+                upstream = await self.client.send(req, stream=True)
+            except httpx.ConnectError as e:  # refused: nothing listens there
+                r.load -= 1
+                self.kill(r, f"connection failed: {type(e).__name__}: {e}")
+                continue  # nothing was sent: the request moves to another replica
+            except httpx.HTTPError as e:
+                r.load -= 1
+                if await asyncio.to_thread(self.set.exited, r, EXIT_WAIT_S):
+                    continue  # it died before answering: the request moves to another replica
+                raise APIError(502, f"dp rank {r.rank} failed before answering this request "
+                                    f"({_describe(e)}); retry it",
+                               code="replica_failed", type="bad_gateway") from None
+            except BaseException:
+                r.load -= 1
+                raise
+            r.routed += 1
+            return self._relay(r, upstream)
+
+    def _relay(self, r: Replica, upstream: httpx.Response) -> Response:
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def body():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                self.set.check_exits()
+                msg = (f"dp rank {r.rank} failed while answering this request "
+                       f"({_describe(e)}); retry it")
+                logger.error(msg)
+                if streaming:
+                    yield b"data: " + json.dumps(APIError(502, msg, code="replica_failed")
+                                                 .body()).encode() + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                else:
+                    raise
+            finally:
+                r.load -= 1
+                await upstream.aclose()
+
+        if streaming:
+            return StreamingResponse(body(), status_code=upstream.status_code,
+                                     headers=out_headers)
+        return _Buffered(body, upstream.status_code, out_headers, r)
+
+    async def first_live(self, path: str) -> Response:
+        for r in self.set.live():
+            try:
+                resp = await self.client.get(r.url + path, headers=self.headers)
+            except httpx.ConnectError as e:
+                self.kill(r, f"connection failed: {e}")
+                continue
+            return Response(resp.content, resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+        raise APIError(503, "no dp replica is alive", code="no_replica")
+
+    async def each_live(self, method: str, path: str) -> dict[Replica, httpx.Response | str]:
+        async def one(r):
+            try:
+                return await self.client.request(method, r.url + path, headers=self.headers)
+            except httpx.HTTPError as e:
+                self.set.check_exits()
+                return f"{type(e).__name__}: {e}"
+        live = self.set.live()
+        return dict(zip(live, await asyncio.gather(*(one(r) for r in live))))
+
+
+class _Buffered(Response):
+    """A non-streaming answer: read whole before the status goes out, so that a replica dying
+    mid-answer becomes a 502 instead of a truncated body."""
+
+    def __init__(self, body, status, headers, replica):
+        super().__init__(status_code=status)
+        self._body, self._status, self._headers, self._replica = body, status, headers, replica
+
+    async def __call__(self, scope, receive, send):
+        try:
+            content = b"".join([chunk async for chunk in self._body()])
+        except httpx.HTTPError as e:
+            msg = (f"dp rank {self._replica.rank} failed while answering this request "
+                   f"({_describe(e)}); retry it")
+            await APIError(502, msg, code="replica_failed", type="bad_gateway").response()(
+                scope, receive, send)
+            return
+        await Response(content, self._status, headers=self._headers)(scope, receive, send)
+
+
+def _router(request: Request) -> Router:
+    return request.app.state.router
+
+
+async def proxy(request: Request):
+    return await _router(request).forward(request)
+
+
+async def health(request: Request):
+    rt = _router(request)
+    rt.set.check_exits()
+    if rt.draining or not rt.set.live():
+        raise APIError(503, "shutting down" if rt.draining else "no dp replica is alive")
+    return Response(status_code=200)
+
+
+async def passthrough(request: Request):
+    return await _router(request).first_live(request.url.path)
+
+
+async def flush_cache(request: Request):
+    """Every live replica flushes; 200 when all did, else the first refusal's status."""
+    results = await _router(request).each_live(request.method, "/flush_cache")
+    per, status = [], 200
+    for r, resp in results.items():
+        if isinstance(resp, str):
+            per.append({"dp_rank": r.rank, "status": 502, "message": resp})
+            status = 502 if status == 200 else status
+            continue
+        try:
+            message = resp.json().get("message") or resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        per.append({"dp_rank": r.rank, "status": resp.status_code, "message": message})
+        if resp.status_code != 200 and status == 200:
+            status = resp.status_code
+    if not per:
+        raise APIError(503, "no dp replica is alive", code="no_replica")
+    if status != 200:
+        failed = "; ".join(f"dp rank {p['dp_rank']}: {p['message']}" for p in per
+                           if p["status"] != 200)
+        return JSONResponse({**APIError(status, failed, code="engine_busy").body(),
+                             "replicas": per}, status_code=status)
+    return JSONResponse({"message": "Cache flushed.", "replicas": per})
+
+
+async def metrics(request: Request):
+    rt = _router(request)
+    results = await rt.each_live("GET", "/metrics")
+    texts = {r.rank: resp.text for r, resp in results.items()
+             if not isinstance(resp, str) and resp.status_code == 200}
+    return Response(aggregate(texts, rt.set.replicas),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def server_info(request: Request):
+    """The first live replica's settings, with dp_size and the router's, ``replicas``: each
+    one's state (and its own /get_server_info while alive), ``internal_states``: one entry per
+    live replica (SGLang's key), ``total``: their queues added up."""
+    rt = _router(request)
+    results = await rt.each_live("GET", "/get_server_info")
+    info: dict = {}
+    replicas, states = [], []
+    for r in rt.set.replicas:
+        entry = {"dp_rank": r.rank, "url": r.url, "pid": r.proc.pid if r.proc else None,
+                 "alive": r.alive, "error": r.error, "load": r.load, "routed_requests": r.routed}
+        resp = results.get(r)
+        if resp is not None and not isinstance(resp, str) and resp.status_code == 200:
+            child = resp.json()
+            info = info or dict(child)
+            entry["internal_state"] = (child.get("internal_states") or [None])[0]
+            states.append(entry["internal_state"])
+        elif resp is not None:
+            entry["error"] = resp if isinstance(resp, str) else f"HTTP {resp.status_code}"
+        replicas.append(entry)
+    o = rt.options
+    info.update(dp_size=o.dp_size, router_policy=rt.policy_name,
+                router_balance_abs_threshold=o.balance_abs_threshold,
+                router_balance_rel_threshold=o.balance_rel_threshold,
+                router_cache_threshold=o.cache_threshold, host=request.app.state.host,
+                port=request.app.state.port, replicas=replicas, internal_states=states,
+                live_replicas=sum(r.alive for r in rt.set.replicas))
+    info["total"] = {key: sum(s.get(key, 0) for s in states if s)
+                     for key in ("num_running_reqs", "num_queue_reqs", "num_used_tokens")}
+    return JSONResponse(info)
+
+
+def build_front_app(router: Router, host: str, port: int) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        router.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                          limits=httpx.Limits(max_connections=None,
+                                                              max_keepalive_connections=64))
+        task = asyncio.ensure_future(router.monitor())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.client.aclose()
+
+    routes = [Route(p, proxy, methods=["POST"]) for p in GENERATION_ROUTES]
+    routes += [Route("/health", health, methods=["GET"]),
+               Route("/health_generate", passthrough, methods=["GET"]),
+               Route("/v1/models", passthrough, methods=["GET"]),
+               Route("/openapi.json", passthrough, methods=["GET"]),
+               Route("/metrics", metrics, methods=["GET"]),
+               Route("/get_server_info", server_info, methods=["GET"]),
+               Route("/flush_cache", flush_cache, methods=["GET", "POST"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: errors.api_error_handler, HTTPException: errors.http_exception_handler,
+        Exception: errors.internal_error_handler})
+    app.state.router, app.state.host, app.state.port = router, host, port
+    if router.api_key:
+        from engine.server.app import APIKeyMiddleware
+
+        app.add_middleware(APIKeyMiddleware, api_key=router.api_key, public={"/health"})
+    return app
