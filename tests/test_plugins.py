@@ -191,9 +191,10 @@ def test_select_attention_backend_gets_the_model_config(tiny_model_factory):
     class Picker:
         @hookimpl
         def select_attention_backend(self, device, model_config, kv_dtype, page_size,
-                                     registries):
+                                     registries, dtype):
             seen.update(arch=model_config.architecture, layers=model_config.num_layers,
-                        kv=kv_dtype, page=page_size, has_torch_native="torch_native" in
+                        kv=kv_dtype, page=page_size, dtype=dtype,
+                        has_torch_native="torch_native" in
                         registries.attention)
             return "torch_native"
 
@@ -206,4 +207,4 @@ def test_select_attention_backend_gets_the_model_config(tiny_model_factory):
         pm.unregister(name="picker")
     assert engine.attention_backend == "torch_native"  # the cpu plugin would win otherwise
     assert seen == {"arch": "LlamaForCausalLM", "layers": engine.runner.model_config.num_layers,
-                    "kv": "auto", "page": None, "has_torch_native": True}
+                    "kv": "auto", "page": None, "dtype": "float32", "has_torch_native": True}

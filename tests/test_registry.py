@@ -176,6 +176,18 @@ def test_auto_picks_the_guides_backend_by_compute_capability(regs, monkeypatch):
             "get 64.")):
         resolve_attention_backend(regs[0], "trtllm_mha", b200, pm=regs[1], page_size=1)
     assert default_page_size(resolve_attention_backend(regs[0], "flashinfer", H100, pm=regs[1])) == 1
+    # fa3 / flashinfer / trtllm_mha run float16 and bfloat16 models: a float32 one gets triton
+    # from auto, and naming one says which --dtype to pass
+    present.add("sgl_kernel")
+    for name, cc in [("H100", (9, 0)), ("B200", (10, 0)), ("A100", (8, 0))]:
+        gpu = DeviceInfo("cuda", name, cc)
+        assert resolve_attention_backend(regs[0], "auto", gpu, pm=regs[1],
+                                         dtype="float32").name == "triton"
+    assert resolve_attention_backend(regs[0], "auto", H100, pm=regs[1],
+                                     dtype="bfloat16").name == "fa3"
+    with pytest.raises(IncompatibleOptions, match=re.escape(
+            "'fa3' runs float16 or bfloat16 models, not float32: pass --dtype bfloat16")):
+        resolve_attention_backend(regs[0], "fa3", H100, pm=regs[1], dtype="float32")
 
 
 def test_policy_resolution(regs, core_only):

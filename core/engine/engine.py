@@ -31,6 +31,7 @@ class Engine:
         from engine.models import default
         from engine.models.checkpoint import open_checkpoint
         from engine.models.config import ModelConfig
+        from engine.models.dtype import resolve_dtype
         from engine.plugins import call_observers, get_registries, load_plugins
         from engine.registry import (default_page_size, resolve_attention_backend,
                                      resolve_kv_dtype, resolve_policy, resolve_quantization)
@@ -47,9 +48,12 @@ class Engine:
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         model_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models)
         hf_config = model_config.hf_config
+        # the dtype the model will compute in (the runner resolves it the same way)
+        dtype = str(resolve_dtype(config.dtype, model_config.torch_dtype, self.device)[0])
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
                                                config.kv_cache_dtype, model_config, pm=pm,
-                                               page_size=config.page_size)
+                                               page_size=config.page_size,
+                                               dtype=dtype.removeprefix("torch."))
         if config.page_size is None:  # the backend's own default (trtllm_mha: 64), else 1
             config.page_size = default_page_size(attn_entry)
         # --quantization, or the method the checkpoint declares (then logged as detected)

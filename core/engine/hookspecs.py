@@ -18,7 +18,7 @@ def register_attention_backends(register):
     """Register attention backends.
 
     ``register(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
-    description="", page_sizes=None)``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
+    description="", page_sizes=None, dtypes=None)``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
     (``ctx`` is an :class:`engine.interfaces.BackendContext`); ``check(device) -> str | None``
     returns None when the backend can run on ``device`` (a :class:`engine.device.DeviceInfo`),
     else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts
@@ -26,7 +26,9 @@ def register_attention_backends(register):
     dequantizing ``get_kv``);
     ``priority`` orders the candidates of ``--attention-backend auto``; ``page_sizes`` (None:
     any) lists the ``--page-size`` values its kernels take, the last one its default when
-    ``--page-size`` is not given (``auto`` skips a backend that cannot take a given one).
+    ``--page-size`` is not given (``auto`` skips a backend that cannot take a given one);
+    ``dtypes`` (None: any) the model dtypes it computes in ("float16", "bfloat16", "float32"):
+    ``auto`` skips it for another, and naming it then is refused with the ``--dtype`` to pass.
     """
 
 
@@ -80,12 +82,13 @@ def register_commands(cli):
 
 
 @hookspec(firstresult=True)
-def select_attention_backend(device, model_config, kv_dtype, page_size, registries):
+def select_attention_backend(device, model_config, kv_dtype, page_size, registries, dtype):
     """Pick the backend for ``--attention-backend auto``: return a registered name or None.
     ``model_config`` is the checkpoint's :class:`engine.models.config.ModelConfig` (None when a
     caller resolves without a model); ``page_size`` is the ``--page-size`` asked for, or None
     when it is left to the backend; ``registries`` are the registries being resolved (pick
-    from those, not from the process-wide ones).
+    from those, not from the process-wide ones); ``dtype`` is the model's resolved dtype name
+    ("bfloat16", ...; None when unknown).
 
     The first non-None answer wins; the core's own answer is ``trylast`` so that a platform plugin
     can override it.

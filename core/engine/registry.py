@@ -165,6 +165,11 @@ def takes_page_size(entry: Entry, page_size: int | None) -> bool:
     return page_size is None or not sizes or page_size in sizes
 
 
+def takes_dtype(entry: Entry, dtype: str | None) -> bool:
+    dtypes = entry.extra.get("dtypes")
+    return dtype is None or not dtypes or dtype in dtypes
+
+
 def default_page_size(entry: Entry) -> int:
     """The page size when --page-size is not given: the backend's own (its last listed), else 1."""
     sizes = entry.extra.get("page_sizes")
@@ -172,16 +177,18 @@ def default_page_size(entry: Entry) -> int:
 
 
 def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str = "auto",
-                              model_config=None, pm=None, page_size: int | None = None) -> Entry:
-    """Resolve ``--attention-backend`` (``auto`` included) for ``device``, ``kv_dtype`` and
-    ``page_size`` (None: the backend's default)."""
+                              model_config=None, pm=None, page_size: int | None = None,
+                              dtype: str | None = None) -> Entry:
+    """Resolve ``--attention-backend`` (``auto`` included) for ``device``, ``kv_dtype``,
+    ``page_size`` (None: the backend's default) and the model's ``dtype`` (a name; None:
+    unknown)."""
     resolve_kv_dtype(regs, kv_dtype)
     if name == "auto":
         picked = None
         if pm is not None:
             picked = pm.hook.select_attention_backend(
                 device=device, model_config=model_config, kv_dtype=kv_dtype, page_size=page_size,
-                registries=regs)
+                registries=regs, dtype=dtype)
         if picked is None:
             reasons = "; ".join(
                 f"{e.name}: {e.unavailable_reason(device) or 'does not support --kv-cache-dtype ' + kv_dtype}"
@@ -201,6 +208,10 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
         raise IncompatibleOptions(
             f"'{entry.name}' does not support --kv-cache-dtype {kv_dtype} "
             f"(supports: {', '.join(supported)}).")
+    if not takes_dtype(entry, dtype):
+        raise IncompatibleOptions(
+            f"'{entry.name}' runs {' or '.join(entry.extra['dtypes'])} models, not {dtype}: pass "
+            f"--dtype {entry.extra['dtypes'][-1]} (or pick another --attention-backend).")
     if not takes_page_size(entry, page_size):
         sizes = entry.extra["page_sizes"]
         raise IncompatibleOptions(

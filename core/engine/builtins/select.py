@@ -7,8 +7,8 @@ PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("f
 
 
 @hookimpl(trylast=True)
-def select_attention_backend(device, model_config, kv_dtype, page_size, registries):
-    from engine.registry import backend_kv_dtypes, takes_page_size
+def select_attention_backend(device, model_config, kv_dtype, page_size, registries, dtype):
+    from engine.registry import backend_kv_dtypes, takes_dtype, takes_page_size
 
     regs = registries.attention
     major = device.capability[0] if device.capability else None
@@ -23,6 +23,6 @@ def select_attention_backend(device, model_config, kv_dtype, page_size, registri
             continue
         entry = regs.get(name)
         if (entry.unavailable_reason(device) is None and takes_page_size(entry, page_size)
-                and kv_dtype in backend_kv_dtypes(registries, entry)):
+                and takes_dtype(entry, dtype) and kv_dtype in backend_kv_dtypes(registries, entry)):
             return entry.name
     return None

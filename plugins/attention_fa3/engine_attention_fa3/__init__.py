@@ -26,4 +26,5 @@ def _factory(ctx):
 @hookimpl
 def register_attention_backends(register):
     register("fa3", _factory, check=check, kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3"),
+             dtypes=("float16", "bfloat16"),  # auto skips it for a float32 model
              priority=30, description="FlashAttention-3 (sgl-kernel), Hopper")

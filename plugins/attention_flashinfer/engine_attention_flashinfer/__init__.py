@@ -4,6 +4,7 @@ import importlib.util
 
 from engine import hookimpl
 
+HALF = ("float16", "bfloat16")  # the model dtypes the kernels take (auto skips float32 models)
 TRTLLM_PAGE_SIZES = (16, 32, 64)  # what trtllm-gen's paged kernels take
 NEEDS_PACKAGE = ("needs the flashinfer-python package: "
                  "pip install 'engine-attention-flashinfer[cuda]'")
@@ -40,10 +41,10 @@ def _trtllm(ctx):
 
 @hookimpl
 def register_attention_backends(register):
-    register("flashinfer", _flashinfer, check=check_flashinfer,
+    register("flashinfer", _flashinfer, check=check_flashinfer, dtypes=HALF,
              kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"), priority=20,
              description="flashinfer paged attention, Ampere and newer")
-    register("trtllm_mha", _trtllm, check=check_trtllm,
+    register("trtllm_mha", _trtllm, check=check_trtllm, dtypes=HALF,
              kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3"), priority=25,
              page_sizes=TRTLLM_PAGE_SIZES,  # the last (64) is the default, as in SGLang
              description="TensorRT-LLM MHA kernels through flashinfer, Blackwell")
