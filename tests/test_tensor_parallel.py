@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from engine.registry import EngineError
+from engine.net import free_port
 from engine.testing import assert_close_logits
 
 TP = 2
@@ -101,12 +101,6 @@ def rank_main(rank: int, port: int, paths: dict, prompts: dict, results) -> None
     except BaseException:
         results.put((rank, traceback.format_exc()))
         raise
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(paths: dict, prompts: dict) -> dict:

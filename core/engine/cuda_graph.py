@@ -172,15 +172,12 @@ class CudaGraphRunner:
 
 
 @contextmanager
-def measure_cuda_memory(device):
-    """Yields a dict that gets ``used`` (bytes the block took from the GPU) and ``free`` after."""
-    info: dict = {}
-    if not str(device).startswith("cuda"):
-        yield info
-        return
+def measure_cuda_memory():
+    """Yields a dict holding ``before`` (free GPU bytes on entry), and after the block also
+    ``used`` (the bytes it took) and ``free``."""
     torch.cuda.synchronize()
-    before = torch.cuda.mem_get_info()[0]
+    info = {"before": torch.cuda.mem_get_info()[0]}
     yield info
     torch.cuda.synchronize()
     after = torch.cuda.mem_get_info()[0]
-    info.update(used=before - after, free=after, before=before)
+    info.update(used=info["before"] - after, free=after)

@@ -13,12 +13,6 @@ logger = logging.getLogger("engine")
 _rids = itertools.count()
 
 
-def torch_cuda_free() -> int:
-    import torch
-
-    return torch.cuda.mem_get_info()[0]
-
-
 class RequestError(EngineError, ValueError):
     """A request that can never be served as asked (too long, bad ids, ...)."""
 
@@ -150,11 +144,10 @@ class Engine:
                     f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
         sizes = [s for s in capture_sizes(max_bs, config.cuda_graph_bs) if s <= max_bs]
         gb = 1 << 30
-        free = torch_cuda_free()
-        logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
-                    f"avail mem={free / gb:.2f} GB")
         try:
-            with measure_cuda_memory(self.device.torch_device) as mem:
+            with measure_cuda_memory() as mem:
+                logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
+                            f"avail mem={mem['before'] / gb:.2f} GB")
                 seconds = runner.init_cuda_graphs(sizes)
         except RuntimeError as e:  # torch.OutOfMemoryError is one
             if "out of memory" not in str(e):

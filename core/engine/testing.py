@@ -360,13 +360,12 @@ class ServerProcess:
 
     def __init__(self, args: list[str], log_path, api_key: str | None = None,
                  env: dict[str, str] | None = None):
-        import socket
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from engine.net import free_port
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,16 +14,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from engine.net import free_port
+
 logger = logging.getLogger("engine.router")
 
 # the child runs the same CLI as this process
 _CLI = "import sys; from engine_cli.main import cli; sys.argv[0] = 'engine'; cli()"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -67,7 +62,7 @@ class ReplicaSet:
     """Starts ``dp_size`` replicas of ``engine serve <args>``; ``stop()`` ends them."""
 
     def __init__(self, dp_size: int, args: list[str]):
-        self.replicas = [Replica(rank, _free_port()) for rank in range(dp_size)]
+        self.replicas = [Replica(rank, free_port()) for rank in range(dp_size)]
         self.args = args
 
     def start(self) -> None:

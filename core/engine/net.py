@@ -1,0 +1,12 @@
+"""Loopback networking shared by the dp replicas, the test servers, tp ranks and benchmarks."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
