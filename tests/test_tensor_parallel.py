@@ -9,8 +9,6 @@ a rank that dies or hangs fails the test."""
 from __future__ import annotations
 
 import os
-import queue
-import time
 import traceback
 from datetime import timedelta
 
@@ -18,8 +16,8 @@ import pytest
 import torch
 
 from engine.registry import EngineError
-from engine.net import free_port
 from engine.testing import assert_close_logits
+from engine.testing_ranks import case_inputs, hf_reference, run_spawned_ranks
 
 TP = 2
 LOGIT_TOL = 1e-4  # relative to the logit scale, as in test_models_hf.py
@@ -78,12 +76,11 @@ def rank_main(rank: int, port: int, paths: dict, prompts: dict, results) -> None
     """One tp rank: join the gloo group, then for each case load its shard, take prefill
     logits and greedy tokens; puts (rank, results or a traceback) on ``results``."""
     try:
-        from engine.plugins import get_registries
+        from engine.parallel.group import init_tp_group
         from engine.testing import greedy_generate, prefill_logits
 
         torch.set_num_threads(1)
-        strategy = get_registries().parallel.get("gloo").obj
-        group = strategy.init_group(rank, TP, f"tcp://127.0.0.1:{port}", timedelta(seconds=60))
+        group = init_tp_group("gloo", rank, TP, f"tcp://127.0.0.1:{port}", timedelta(seconds=60))
         out = {}
         try:
             for case, path in paths.items():
@@ -103,66 +100,12 @@ def rank_main(rank: int, port: int, paths: dict, prompts: dict, results) -> None
         raise
 
 
-def run_ranks(paths: dict, prompts: dict) -> dict:
-    """rank -> its results; fails (never hangs) when a rank errs, dies or overruns."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, paths, prompts, results), daemon=True)
-             for r in range(TP)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + TIMEOUT_S
-    try:
-        while len(got) < TP:
-            try:
-                rank, out = results.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    pytest.fail(f"a tp rank died (exit code {dead[0]}) without a result")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"tp ranks gave no result in {TIMEOUT_S}s")
-                continue
-            if isinstance(out, str):
-                pytest.fail(f"tp rank {rank} failed:\n{out}")
-            got[rank] = out
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0, f"a tp rank exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return got
-
-
 @pytest.fixture(scope="module")
 def tp_run(tiny_model_factory, tiny_gguf_factory):
     """(HF directories, prompts, rank -> results) of every case; the ranks read the GGUF file
     where the case says so."""
-    from transformers import AutoTokenizer
-
-    paths = {case: tiny_model_factory(arch, **kw) for case, (arch, kw, _) in CASES.items()}
-    prompts = {case: [AutoTokenizer.from_pretrained(p)(t).input_ids for t in PROMPTS]
-               for case, p in paths.items()}
-    read = {case: tiny_gguf_factory(arch, "F32", **kw) if gguf else paths[case]
-            for case, (arch, kw, gguf) in CASES.items()}
-    return paths, prompts, run_ranks(read, prompts)
-
-
-def hf_reference(path: str, prompts: list[list[int]]):
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        logits = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
-        tokens = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=2, eos_token_id=None)[0, len(p):].tolist()
-                  for p in prompts]
-    return hf, logits, tokens
+    paths, prompts, read = case_inputs(CASES, PROMPTS, tiny_model_factory, tiny_gguf_factory)
+    return paths, prompts, run_spawned_ranks(rank_main, TP, (read, prompts), "tp", TIMEOUT_S)
 
 
 @pytest.mark.usefixtures("single_torch_thread")
@@ -171,7 +114,7 @@ def test_tp2_matches_whole_model(tp_run, case, registries, cpu_device):
     from engine.runner import ModelRunner
 
     paths, prompts, got = tp_run
-    hf, ref_logits, ref_tokens = hf_reference(paths[case], prompts[case])
+    hf, ref_logits, ref_tokens = hf_reference(paths[case], prompts[case], NEW_TOKENS)
     whole = ModelRunner(paths[case], registries=registries, device=cpu_device, dtype="float32")
     for rank in range(TP):
         out = got[rank][case]
@@ -187,10 +130,15 @@ def test_tp2_matches_whole_model(tp_run, case, registries, cpu_device):
 
 
 def test_strategies_registered(registries):
-    gloo, nccl = (registries.parallel.get(n).obj for n in ("gloo", "nccl"))
-    assert (gloo.backend, nccl.backend) == ("gloo", "nccl")
-    with pytest.raises(EngineError, match="cannot be launched by the engine yet"):
-        gloo.launch(None)
+    from engine.device import DeviceInfo, cpu_device
+
+    gloo, nccl = (registries.parallel.get(n) for n in ("gloo", "nccl"))
+    assert (gloo.obj.backend, nccl.obj.backend) == ("gloo", "nccl")
+    assert (gloo.obj.device_type, nccl.obj.device_type) == ("cpu", "cuda")
+    assert gloo.unavailable_reason(cpu_device()) is None
+    assert "needs CUDA GPUs" in nccl.unavailable_reason(cpu_device())
+    gpu = DeviceInfo("cuda", "fake", (9, 0), 80 << 30, 80 << 30, True)
+    assert nccl.unavailable_reason(gpu) in (None, "this torch build has no NCCL")
 
 
 def test_heads_that_do_not_split_are_refused():

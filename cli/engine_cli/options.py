@@ -156,6 +156,33 @@ ENGINE_OPTIONS = [
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
                  help="vLLM's: --no-enable-chunked-prefill = --chunked-prefill-size -1."),
     click.option("--seed", default=_D.seed, type=int),
+    # parallelism (engine/parallel): tp x pp ranks, one process each, over --nnodes nodes
+    click.option("--tp-size", "--tensor-parallel-size", "tp_size", default=_D.tp_size,
+                 type=click.IntRange(min=1),
+                 help="Tensor parallelism: ranks that each hold a slice of every layer "
+                      "(gloo on CPU, nccl on CUDA)."),
+    click.option("--pp-size", "--pipeline-parallel-size", "pp_size", default=_D.pp_size,
+                 type=click.IntRange(min=1),
+                 help="Pipeline parallelism: stages that each hold a contiguous run of layers; "
+                      "a batch goes through them as --pp-size micro-batches."),
+    click.option("--pp-max-micro-batch-size", type=click.IntRange(min=1),
+                 help="Requests per pipeline micro-batch (more micro-batches overlap the stages "
+                      "better, each one smaller).  [default: a batch is cut into --pp-size "
+                      "micro-batches]"),
+    click.option("--nnodes", default=_D.nnodes, type=click.IntRange(min=1),
+                 help="Nodes the tp x pp ranks are spread over (start one `engine serve` per "
+                      "node, each with its --node-rank)."),
+    click.option("--node-rank", default=_D.node_rank, type=click.IntRange(min=0),
+                 help="This node's index; node 0 runs the scheduler and the HTTP server."),
+    click.option("--dist-init-addr", help="host:port of node 0 where the ranks meet "
+                                          "(--nnodes > 1).  [default: a free local port]"),
+    click.option("--parallel-strategy", default=_D.parallel_strategy,
+                 type=RegistryChoice("parallel", ("auto",)),
+                 help="The torch.distributed backend of the ranks.  auto: gloo on a CPU, nccl "
+                      "on CUDA GPUs (or a plugin's)."),
+    click.option("--dist-timeout", default=_D.dist_timeout, type=click.IntRange(min=1),
+                 help="Seconds the ranks wait for each other: to join, and in any one "
+                      "collective, before failing with the rank that is missing."),
 ]
 
 

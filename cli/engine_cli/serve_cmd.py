@@ -50,6 +50,10 @@ def serve_command(**kwargs):
     """Serve a model over HTTP (OpenAI-compatible and SGLang-style routes)."""
     ctx = click.get_current_context()
     if kwargs["dp_size"] > 1:
+        if kwargs["nnodes"] > 1:
+            raise click.UsageError("--nnodes with --dp-size: the dp front runs its replicas on "
+                                   "this node only; start one multi-node engine per replica "
+                                   "(each its own `engine serve --nnodes ...`) instead.")
         _serve_dp(ctx, kwargs)
         return
     given = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[1:] if _given(ctx, k)]
@@ -67,12 +71,26 @@ def serve_command(**kwargs):
                                    SERVER_FLAGS)
     log_level = server.pop("log_level")
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(levelname)s] %(message)s")
+    if config["node_rank"] > 0:  # a node of a multi-node engine: its ranks, no HTTP server
+        _serve_node(config, log_level)
+        return
     try:
         engine = Engine(**config)
     except EngineError as e:
         raise click.UsageError(str(e)) from None
     server["served_model_name"] = server["served_model_name"] or engine.model_name
     serve(engine, ServerSettings(model_path=engine.checkpoint.path, **server), log_level)
+
+
+def _serve_node(config: dict, log_level: str) -> None:
+    from engine.config import EngineConfig
+    from engine.parallel.launch import serve_node
+    from engine.registry import EngineError
+
+    try:
+        serve_node(EngineConfig.from_kwargs(**config), log_level)
+    except EngineError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _given(ctx: click.Context, name: str) -> bool:

@@ -44,9 +44,19 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None  # the exact sizes to capture
     disable_cuda_graph: bool = False
-    # parallelism and compilation (GPU features; validated, refused on CPU where meaningless)
+    # parallelism: tp_size x pp_size ranks (worker processes; engine/parallel), over nnodes
+    # nodes that meet at dist_init_addr (host:port); dp_size replicas are the router's (one
+    # Engine is one replica)
     tp_size: int = 1
+    pp_size: int = 1
     dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 600  # seconds: joining, and any one collective
+    parallel_strategy: str = "auto"  # the torch.distributed backend: auto = gloo / nccl
+    # requests per pipeline micro-batch (None: a batch is cut into pp_size micro-batches)
+    pp_max_micro_batch_size: int | None = None
     seed: int = 0
     plugin_options: dict = field(default_factory=dict)
     # vLLM's spellings (validate() folds each into the SGLang knob above; both with different
@@ -95,13 +105,32 @@ class EngineConfig:
              f"--cuda-graph-bs sizes must be >= 1, got {self.cuda_graph_bs}")
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
-        need(self.tp_size == 1,
-             f"--tp-size {self.tp_size}: tensor parallelism is not implemented yet; use 1")
+        self._check_parallel(need)
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
         need(self.dp_size == 1,
              f"dp_size {self.dp_size}: one Engine is one replica; N replicas are N processes "
              f"behind a router: run `engine serve --dp-size {self.dp_size}`")
         return self
+
+    def _check_parallel(self, need) -> None:
+        from engine.parallel.topology import Topology
+
+        Topology(self.tp_size, self.pp_size, self.nnodes, self.node_rank)  # raises on bad sizes
+        need(self.pp_max_micro_batch_size is None or self.pp_max_micro_batch_size >= 1,
+             f"--pp-max-micro-batch-size must be >= 1, got {self.pp_max_micro_batch_size}")
+        need(self.dist_timeout >= 1, f"--dist-timeout must be >= 1 second, got "
+                                     f"{self.dist_timeout}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"--dist-init-addr must be host:port (e.g. 10.0.0.1:5000), got "
+                 f"{self.dist_init_addr!r}")
+        need(not self.enable_torch_compile or self.tp_size * self.pp_size == 1,
+             "--enable-torch-compile with --tp-size or --pp-size > 1 is not supported yet (the "
+             "compiled decoder would hold the ranks' collectives); drop one of them.")
+        need(self.nnodes == 1 or self.dist_init_addr is not None,
+             f"--nnodes {self.nnodes} needs --dist-init-addr host:port: the address of node 0, "
+             f"where the other nodes meet it (give every node the same one).")
 
     def _fold_vllm_spellings(self, need) -> None:
         def same(ours: str, theirs: str, value, default=None) -> None:

@@ -28,7 +28,8 @@ class Engine:
         from engine.models.dtype import resolve_dtype
         from engine.plugins import call_observers, get_registries, load_plugins
         from engine.registry import (default_page_size, resolve_attention_backend,
-                                     resolve_kv_dtype, resolve_policy, resolve_quantization)
+                                     resolve_kv_dtype, resolve_parallel_strategy, resolve_policy,
+                                     resolve_quantization)
 
         self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
         # the name clients use by default: the default model's, else the path as given
@@ -40,8 +41,18 @@ class Engine:
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
-        model_config = ModelConfig.from_checkpoint(self.checkpoint, regs.models)
+        self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
+                                                                       regs.models)
         hf_config = model_config.hf_config
+        self.parallel = None  # (strategy, what every node must agree on) with tp x pp > 1
+        if config.tp_size * config.pp_size > 1:
+            from engine.parallel.launch import check_model_splits
+            from engine.parallel.rendezvous import fingerprint
+
+            check_model_splits(config, model_config)
+            self.parallel = (resolve_parallel_strategy(regs, config.parallel_strategy,
+                                                       self.device).obj,
+                             fingerprint(config, model_config))  # the flags as given
         # the dtype the model will compute in (the runner resolves it the same way)
         dtype = str(resolve_dtype(config.dtype, model_config.torch_dtype, self.device)[0])
         attn_entry = resolve_attention_backend(regs, config.attention_backend, self.device,
@@ -66,7 +77,7 @@ class Engine:
         from engine.memory.sizing import plan
         from engine.models.checkpoint import load_tokenizer_dir
         from engine.plugins import call_observers, pm
-        from engine.runner import ModelRunner
+        from engine.runner import build_runner
         from engine.scheduler.kv import KVManager
         from engine.scheduler.scheduler import Scheduler
 
@@ -74,20 +85,32 @@ class Engine:
         ckpt = self.checkpoint
         self.tokenizer = (load_tokenizer_dir(config.tokenizer) if config.tokenizer else
                           ckpt.load_tokenizer())
-        self.runner = runner = ModelRunner(
-            ckpt, registries=regs, device=self.device, dtype=config.dtype,
-            attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
-            # the backend's plugin's own serve options (EngineOption), as BackendContext.options
-            backend_options=config.plugin_options.get(attn_entry.plugin, {}),
-            quant_method=quant_entry.obj if quant_entry else None,
-            compile_max_tokens=config.torch_compile_max_bs if config.enable_torch_compile
-            else None)
+        if self.parallel is None:
+            self.runner = runner = build_runner(config, ckpt, regs, self.device, attn_entry,
+                                                kv_entry, quant_entry)
+            device, weights = self.device, runner.weight_bytes
+            kv_per_token = runner.kv_bytes_per_token()
+        else:  # rank 0 of tp x pp ranks: the runner drives the workers (engine/parallel)
+            from engine.parallel.launch import start_rank0
+
+            strategy, agreed = self.parallel
+            self.runner = runner = start_rank0(
+                config, ckpt, self.model_config, regs, self.device, strategy,
+                {"attention": attn_entry, "kv": kv_entry, "quant": quant_entry}, agreed)
+            # the pool is one size on every rank: sized for the rank that needs the most; on
+            # a CPU the node's ranks share its memory
+            weights = max(w for w, _ in runner.rank_sizes)
+            kv_per_token = max(kv for _, kv in runner.rank_sizes)
+            device = self.device
+            if not device.is_cuda:
+                share = device.available_memory // runner.topo.per_node
+                device = dataclasses.replace(device, available_memory=share)
         mc = runner.model_config
         # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
         reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
                      if kv_entry.obj.needs_scale else None)
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
-        self.sizing = plan(config, self.device, runner.weight_bytes, runner.kv_bytes_per_token(),
+        self.sizing = plan(config, device, weights, kv_per_token,
                            config.kv_cache_dtype, mc.max_position_embeddings, reference,
                            graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs))
         pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
@@ -124,6 +147,8 @@ class Engine:
                     f"{'disabled' if cache is None else 'enabled'}")
         for line in self.sizing.lines():
             logger.info(line)
+        if self.parallel is not None:
+            logger.info(runner.describe())
         logger.info(self.cuda_graph)
         if kv_entry.obj.needs_scale:
             scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
@@ -139,6 +164,9 @@ class Engine:
             return "cuda graph: off (CUDA graphs need a CUDA GPU; this is a CPU)"
         if config.disable_cuda_graph:
             return "cuda graph: off (--disable-cuda-graph)"
+        if config.pp_size > 1:
+            return ("cuda graph: off (--pp-size > 1: a stage's forward waits on another "
+                    "rank's activations, which a captured graph cannot)")
         if not runner.backend.supports_cuda_graph:
             return (f"cuda graph: off (attention backend {self.attention_backend} cannot run "
                     f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
@@ -226,6 +254,17 @@ class Engine:
 
     def step(self):
         return self.scheduler.step()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (a tp/pp rank is gone), or None."""
+        return getattr(self.runner, "failure", None)
+
+    def close(self) -> None:
+        """Stop the tp/pp workers, if any (the engine cannot step afterwards)."""
+        close = getattr(self.runner, "close", None)
+        if self.parallel is not None and close is not None:
+            close()
 
     def abort(self, req) -> None:
         self.scheduler.abort(req)

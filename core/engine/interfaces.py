@@ -161,14 +161,17 @@ class QuantMethod(ABC):
 
 
 class ParallelStrategy(ABC):
-    """How the model is spread over devices or processes."""
+    """How the ranks of ``--tp-size`` x ``--pp-size`` talk: a torch.distributed backend for
+    one device type. ``--parallel-strategy auto`` takes the one registered for the device
+    (the built-ins: gloo on CPU, nccl on CUDA)."""
+
+    backend: str = ""  # the torch.distributed backend name ("gloo", "nccl", a plugin's)
+    device_type: str = "cpu"  # the device its ranks compute on: "cpu" or "cuda"
 
     @abstractmethod
-    def launch(self, config: Any) -> Any:
-        """Start the workers for ``config``; returns a handle the engine drives."""
-
-    def init_rank(self, rank: int) -> None:
-        """Called in each worker after spawn."""
+    def init_rank(self, rank: int, world_size: int, store: Any, timeout_s: int) -> None:
+        """Join the default process group as ``rank`` of ``world_size`` on ``store`` (a
+        torch.distributed Store node 0 hosts); every collective waits at most ``timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -183,3 +186,4 @@ class EngineOption:
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
+

@@ -258,3 +258,22 @@ def resolve_quantization(regs: Registries, name: str | None, device,
         raise BackendUnavailable(
             f"quantization '{entry.name}' ({entry.origin}) is installed but unusable here: {reason}.")
     return entry
+
+
+def resolve_parallel_strategy(regs: Registries, name: str, device) -> Entry:
+    """``--parallel-strategy``: a registered name, or ``auto``: the first one registered for
+    this device's type that can run here (the built-ins: gloo on a CPU, nccl on a GPU)."""
+    if name != "auto":
+        entry = regs.parallel.get(name)
+        reason = entry.unavailable_reason(device)
+        if reason is None and entry.obj.device_type != device.type:
+            reason = f"its ranks compute on {entry.obj.device_type}, and this is a {device.type}"
+        if reason:
+            raise EngineError(f"parallel strategy '{name}' cannot run here: {reason}.")
+        return entry
+    for entry in regs.parallel:
+        if entry.obj.device_type == device.type and entry.unavailable_reason(device) is None:
+            return entry
+    listed = ", ".join(f"{e.name} ({e.obj.device_type})" for e in regs.parallel) or "none"
+    raise EngineError(f"no parallel strategy can run the ranks on this {device.type} "
+                      f"(registered: {listed}); install a plugin that registers one.")

@@ -32,18 +32,22 @@ class ModelRunner:
     def __init__(self, model: str | Checkpoint, *, registries, device: DeviceInfo,
                  dtype: str = "auto", attention_factory=None, kv_dtype: KVDtype | None = None,
                  quant_method=None, compile_max_tokens: int | None = None,
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, tp=None, pp=None):
         """``model``: a path (HF directory or GGUF file) or an opened Checkpoint;
         ``compile_max_tokens``: torch.compile the decoder stack for forwards up to that many
-        tokens (``--enable-torch-compile``; see compile.py)."""
-        self.device = device
+        tokens (``--enable-torch-compile``; see compile.py); ``tp``: this rank's TPGroup and
+        ``pp``: its PPStage (engine.parallel): it holds and computes only its shard."""
+        self.device, self.tp, self.pp = device, tp, pp
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
         self.model_config = ModelConfig.from_checkpoint(ckpt, registries.models)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
         half_weights = cpu_half_weights(dtype, device)
         model_cls = resolve_model_class(registries, self.model_config.architecture)
+        parallel = {"tp": tp} if tp is not None else {}
+        if pp is not None:
+            parallel["pp"] = pp
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
-                                device.torch_device, quant_method)
+                                device.torch_device, quant_method, **parallel)
         self.compiled = None
         # oneDNN-prepacked float32 weights on CPU (float16 ones for fbgemm with --dtype float16),
         # F.linear elsewhere: the log line says which (a compiled graph calls the packed linears
@@ -71,16 +75,30 @@ class ModelRunner:
     def kv_storage_dtype(self) -> torch.dtype:
         return self.kv_dtype.storage or self.dtype
 
+    @property
+    def layer_specs(self) -> list:
+        """The attention layers this rank computes, with its head counts."""
+        if self.tp is None and self.pp is None:
+            return self.model_config.layer_specs()
+        from engine.parallel.shard import rank_layer_specs
+
+        return rank_layer_specs(self.model_config, 1 if self.tp is None else self.tp.size,
+                                pp=self.pp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp is None or self.pp.is_last
+
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of K and V per token, in the pool's dtype or in ``dtype``."""
-        c = self.model_config
+        """Bytes of K and V per token (on this rank), in the pool's dtype or in ``dtype``."""
         size = torch.empty((), dtype=dtype or self.kv_storage_dtype).element_size()
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * size
+        return sum(2 * s.num_kv_heads * self.model_config.head_dim * size
+                   for s in self.layer_specs)
 
     def init_kv_pool(self, num_tokens: int, page_size: int = 1, max_reqs: int = 256,
                      max_context_len: int = 4096) -> KVPool:
-        c = self.model_config
-        self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_tokens,
+        c, specs = self.model_config, self.layer_specs
+        self.kv_pool = KVPool(len(specs), specs[0].num_kv_heads, c.head_dim, num_tokens,
                               self.kv_storage_dtype, self.device.torch_device, page_size,
                               max_reqs, max_context_len, kv_dtype=self.kv_dtype)
         self.kv_scales_from_checkpoint = False
@@ -91,7 +109,7 @@ class ModelRunner:
                         if getattr(m, name) is not None:
                             getattr(self.kv_pool, name)[m.layer_id] = getattr(m, name)
                             self.kv_scales_from_checkpoint = True
-        ctx = BackendContext(self.kv_pool, c.layer_specs(), self.device.torch_device, self.dtype,
+        ctx = BackendContext(self.kv_pool, specs, self.device.torch_device, self.dtype,
                              self.backend_options)
         self.backend = self.attention_factory(ctx)
         return self.kv_pool
@@ -108,10 +126,18 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(self, sizes, graph_cls)
         return self.cuda_graphs.capture()
 
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, V] at each request's last new token ([T, V] with
-        ``return_all_logits``)."""
+        ``return_all_logits``). A pipeline stage (``pp``) after the first takes the previous
+        stage's ``hidden`` [T, hidden_size]; one before the last returns its own."""
         assert self.backend is not None, "call init_kv_pool() before forward()"
+        if self.pp is not None:
+            with torch.inference_mode():
+                self.backend.init_forward_metadata(batch)
+                with forward_context(self.backend, batch):
+                    out = self.model(batch, return_all_logits, hidden=hidden)
+            return out.float() if self.pp.is_last else out
         graphs = self.cuda_graphs
         self.last_cuda_graph = (graphs is not None and not return_all_logits
                                 and graphs.can_run(batch))
@@ -123,3 +149,17 @@ class ModelRunner:
             with forward_context(self.backend, batch):
                 logits = self.model(batch, return_all_logits)
         return logits.float()
+
+
+def build_runner(config, checkpoint, registries, device, attn_entry, kv_entry, quant_entry,
+                 tp=None, pp=None) -> ModelRunner:
+    """The ModelRunner of ``config`` once its names are resolved (the engine's, and every
+    tp/pp rank's: they must build alike)."""
+    return ModelRunner(
+        checkpoint, registries=registries, device=device, dtype=config.dtype,
+        attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
+        # the backend's plugin's own serve options (EngineOption), as BackendContext.options
+        backend_options=config.plugin_options.get(attn_entry.plugin, {}),
+        quant_method=quant_entry.obj if quant_entry else None,
+        compile_max_tokens=config.torch_compile_max_bs if config.enable_torch_compile else None,
+        tp=tp, pp=pp)

@@ -1,43 +1,41 @@
-"""Parallel strategies: one process ("none"), and tensor parallelism over torch.distributed
-with the gloo (CPU) or nccl (CUDA) backend. A plugin may register another torch.distributed
-backend the same way (a TorchDistributed with its name)."""
-
-from datetime import timedelta
+"""Parallel strategies: the torch.distributed backends the tp/pp ranks talk through, gloo on
+CPU and nccl on CUDA (engine/parallel). A plugin may register another torch.distributed
+backend the same way (a TorchDistributed with its name and device type)."""
 
 from engine.hookspecs import hookimpl
 from engine.interfaces import ParallelStrategy
-from engine.registry import EngineError
-
-
-class SingleProcess(ParallelStrategy):
-    def launch(self, config):
-        return None
 
 
 class TorchDistributed(ParallelStrategy):
-    """Tensor parallelism whose ranks talk through torch.distributed's ``backend``. The model
-    side is implemented (engine.parallel: ``init_group`` then ``load_model(..., tp=group)``);
-    the engine does not start the workers yet, so ``launch`` refuses (config.py already
-    refuses ``--tp-size`` above 1 before it is reached)."""
-
     def __init__(self, backend: str, device_type: str):
         self.backend, self.device_type = backend, device_type
 
-    def launch(self, config):
-        raise EngineError(f"the '{self.backend}' tensor-parallel strategy cannot be launched by "
-                          f"the engine yet: the scheduler does not drive tp workers; serve "
-                          f"with --tp-size 1.")
+    def init_rank(self, rank: int, world_size: int, store, timeout_s: int) -> None:
+        from datetime import timedelta
 
-    def init_group(self, rank: int, size: int, init_method: str,
-                   timeout: timedelta = timedelta(seconds=600)):
-        """Join the tp group of ``size`` ranks as ``rank``; returns its TPGroup."""
-        from engine.parallel.group import init_tp_group
+        import torch.distributed as dist
 
-        return init_tp_group(self.backend, rank, size, init_method, timeout)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def _nccl_check(device) -> str | None:
+    import torch.distributed as dist
+
+    if not device.is_cuda:
+        return "needs CUDA GPUs (use gloo on a CPU)"
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    return None
+
+
+def _gloo_check(device) -> str | None:
+    import torch.distributed as dist
+
+    return None if dist.is_gloo_available() else "this torch build has no gloo"
 
 
 @hookimpl
 def register_parallel_strategies(register):
-    register("none", SingleProcess())
-    register("gloo", TorchDistributed("gloo", "cpu"))
-    register("nccl", TorchDistributed("nccl", "cuda"))
+    register("gloo", TorchDistributed("gloo", "cpu"), check=_gloo_check)
+    register("nccl", TorchDistributed("nccl", "cuda"), check=_nccl_check)

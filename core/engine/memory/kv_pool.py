@@ -67,6 +67,9 @@ class KVPool:
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32,
                                         device=device)
         self.scratch_row = max_reqs  # stays all zeros: position -> the scratch slot 0
+        # with workers (tp/pp ranks) holding copies of the table: every write since the last
+        # forward, (row, start, slots on the host), which rank 0 sends with the next batch
+        self.row_edits: list[tuple[int, int, torch.Tensor]] | None = None
         self._free_reqs = list(range(max_reqs - 1, -1, -1))
         self._row_free = [True] * max_reqs
         self.max_reqs = max_reqs
@@ -142,8 +145,27 @@ class KVPool:
             held = self.req_to_token[row, : first_new_page * p : p].cpu() // p
             page_of = torch.cat([held, new_pages])
             slots = page_of[positions // p] * p + positions % p
-        self.req_to_token[row, seq_len: seq_len + n] = slots.to(self.req_to_token.device)
+        self.write_row(row, seq_len, slots)
         return slots
+
+    def write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record ``slots`` as request ``row``'s positions ``start..``."""
+        self.req_to_token[row, start: start + len(slots)] = slots.to(self.req_to_token.device)
+        if self.row_edits is not None:
+            n = len(slots)
+            self.row_edits.append((torch.full((n,), row), torch.arange(start, start + n),
+                                   slots.to("cpu", torch.int32)))
+
+    def write_slots(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """Record one slot per (row, position). These two are the only writers of the table,
+        so a journal (``row_edits``: (rows, positions, slots) on the host) can mirror it on
+        other ranks."""
+        table = self.req_to_token
+        table[torch.tensor(rows, device=table.device),
+              torch.tensor(positions, device=table.device)] = slots.to(table.device, table.dtype)
+        if self.row_edits is not None:
+            self.row_edits.append((torch.tensor(rows), torch.tensor(positions),
+                                   slots.to("cpu", torch.int32)))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``slots`` (which must cover whole pages or a sequence tail)."""

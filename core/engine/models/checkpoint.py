@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -32,6 +32,7 @@ logger = logging.getLogger("engine")
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 1 << 30  # cache shards: bounds the memory a write-through holds
 GGUF_CACHE_VERSION = "v1"  # bump when the conversion changes, so stale caches are not read
+Keep = Callable[[str], bool]  # which tensors (by HF name) a reader reads; the rest it skips
 
 
 class Checkpoint:
@@ -44,7 +45,10 @@ class Checkpoint:
     def __init__(self) -> None:
         self.notes: list[str] = []  # how it was read (cache used, conversion time): for the log
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, keep: Keep | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every weight; ``keep``: only those whose name it accepts, the
+        others never read (a pipeline stage's)."""
         raise NotImplementedError
 
     def label(self, name: str) -> str:
@@ -106,11 +110,13 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], keep: Keep | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 class HFCheckpoint(Checkpoint):
@@ -123,8 +129,10 @@ class HFCheckpoint(Checkpoint):
         self.config_source = os.path.join(model_dir, "config.json")
         self.hf_config = read_config_json(self.config_source)
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(safetensors_files(self.path))  # copied into dtype by the loader
+    def tensors(self, dtype: torch.dtype, keep: Keep | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        # copied into dtype by the loader
+        return iter_safetensors(safetensors_files(self.path), keep)
 
     def load_tokenizer(self):
         return load_tokenizer_dir(self.path)
@@ -224,7 +232,8 @@ class GGUFCheckpoint(Checkpoint):
     def _weights_dir(self, dtype: torch.dtype) -> Path:
         return self.cache_dir / f"weights-{dtype_name(dtype)}"
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, keep: Keep | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         done = self._weights_dir(dtype) / "files.json"
         files = [str(done.parent / f) for f in json.loads(done.read_text())] \
             if done.is_file() else []
@@ -236,8 +245,8 @@ class GGUFCheckpoint(Checkpoint):
         if files:
             self.notes.append(f"GGUF {self.path}: weights ({dtype_name(dtype)}) and config "
                               f"read from the cache {self.cache_dir}")
-            return iter_safetensors(files)
-        return self._convert(dtype)
+            return iter_safetensors(files, keep)
+        return self._convert(dtype) if keep is None else self._convert_part(dtype, keep)
 
     def _convert(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantize from the GGUF, writing the converted tensors into the cache as they go."""
@@ -267,6 +276,18 @@ class GGUFCheckpoint(Checkpoint):
         finally:
             if writer is not None:
                 writer.abort()
+
+    def _convert_part(self, dtype: torch.dtype, keep: Keep) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantize only the tensors ``keep`` accepts (a pipeline stage's), not cached: the
+        cache holds whole models."""
+        start, count = time.perf_counter(), 0
+        for name, tensor in self.file.tensors(dtype, self.hf_config, keep):
+            count += 1
+            yield name, tensor
+        self.notes.append(f"GGUF {self.path}: {count} of its tensors (this pipeline stage's) "
+                          f"dequantized to {dtype_name(dtype)} in "
+                          f"{time.perf_counter() - start:.1f} s (not cached: the cache holds "
+                          f"whole models)")
 
     # tokenizer -------------------------------------------------------------------------------
     def load_tokenizer(self):

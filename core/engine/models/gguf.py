@@ -289,9 +289,10 @@ class GGUFFile:
         return f"'{original}' of {self.path}" + (f" (loaded as '{name}')" if original != name
                                                   else "")
 
-    def tensors(self, dtype: torch.dtype, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, hf: dict, keep=None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor in ``dtype``) for every weight; unknown names are passed through for
-        the loader to refuse."""
+        the loader to refuse. ``keep``: only the names it accepts, the others not dequantized."""
         permute = self.arch in PERMUTED_ARCHS
         heads = {"self_attn.q_proj": hf["num_attention_heads"],
                  "self_attn.k_proj": hf["num_key_value_heads"]}
@@ -299,6 +300,8 @@ class GGUFFile:
             if info.name == ROPE_FREQS:
                 continue  # read into the config's rope_scaling
             name = hf_name(info.name) or info.name
+            if keep is not None and not keep(name):
+                continue
             tensor = torch.from_numpy(self._array(info))
             if permute:
                 proj = name.rpartition(".")[0].split(".", 3)[-1]

@@ -1,7 +1,9 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm). Module names follow
 the HF checkpoints so the loader maps names one to one, except the packed projections (qkv_proj,
 gate_up_proj: MergedLinear, whose shards are the checkpoint's q/k/v and gate/up projections).
-With a tensor-parallel group each rank builds its shard (engine.parallel.layers)."""
+With a tensor-parallel group each rank builds its shard (engine.parallel.layers); with a
+pipeline stage (engine.parallel.stage) only the stage's layers, still named by their global
+index, plus the embedding on the first stage and the final norm and LM head on the last."""
 
 from __future__ import annotations
 
@@ -20,13 +22,18 @@ from engine.parallel.group import TPGroup
 from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                     VocabParallelEmbedding)
 from engine.parallel.shard import Cut, kv_cut, rank_head_counts, split_evenly
+from engine.parallel.stage import PPStage, checkpoint_layer
 from engine.registry import EngineError
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None,
+                 global_id: int | None = None):
+        """``layer_id``: the layer's index in its KV pool (local to a pipeline stage);
+        ``global_id``: its index in the whole model (None: the same)."""
         super().__init__()
         c = config
+        self.global_id = layer_id if global_id is None else global_id
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if tp is None:
@@ -67,7 +74,7 @@ class SelfAttention(nn.Module):
 
     def load_tensor(self, name: str, tensor: torch.Tensor, shard: str | None) -> None:
         if tensor.numel() != 1:
-            raise EngineError(f"self_attn.{name} of layer {self.attn.layer_id} has shape "
+            raise EngineError(f"self_attn.{name} of layer {self.global_id} has shape "
                               f"{tuple(tensor.shape)} in the checkpoint; expected one scale.")
         setattr(self.attn, name, float(tensor.float()))
 
@@ -95,10 +102,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None,
+                 global_id: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_id, tp)
+        self.self_attn = SelfAttention(config, layer_id, tp, global_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
@@ -108,40 +116,107 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
+                 pp: PPStage | None = None):
         super().__init__()
-        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size) if tp is None else
-                             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pp = pp
+        if pp is not None and not 0 <= pp.start < pp.end <= config.num_layers:
+            raise EngineError(f"pipeline parallelism: stage {pp.rank} holds layers {pp.start}.."
+                              f"{pp.end - 1}, outside the model's {config.num_layers} layers.")
+        if pp is None or pp.is_first:
+            self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size) if tp is None
+                                 else VocabParallelEmbedding(config.vocab_size,
+                                                             config.hidden_size, tp))
+        if pp is None:
+            self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
+                                        for i in range(config.num_layers))
+        else:  # named by the global index (checkpoint names), numbered locally in the KV pool
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i - pp.start, tp, i)
+                                         for i in range(pp.start, pp.end)})
+        if pp is None or pp.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states after the (stage's) layers, before the final norm; ``hidden``: the
+        previous pipeline stage's, instead of embedding ``input_ids``."""
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary_emb(positions, h.dtype)  # looked up once for all layers
-        for layer in self.layers:
+        for layer in (self.layers if self.pp is None else self.layers.values()):
             h = layer(h, cos, sin)
         return h
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
-        """``tp``: build this rank's shard of every layer (None: the whole model, one process)."""
+    supports_pp = True  # load_model refuses --pp-size for a model class without it
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
+                 pp: PPStage | None = None):
+        """``tp``: build this rank's shard of every layer; ``pp``: only this pipeline stage's
+        part (None, None: the whole model, one process)."""
         super().__init__()
-        self.config = config
-        self.model = DecoderModel(config, tp)
-        self.lm_head = (LMHead(config.hidden_size, config.vocab_size) if tp is None else
-                        ParallelLMHead(config.hidden_size, config.vocab_size, tp))
+        self.config, self.pp = config, pp
+        self.model = DecoderModel(config, tp, pp)
+        if pp is None or pp.is_last:
+            self.lm_head = (LMHead(config.hidden_size, config.vocab_size) if tp is None else
+                            ParallelLMHead(config.hidden_size, config.vocab_size, tp))
         if config.tie_word_embeddings:
             self.tie_weights()
 
     def tie_weights(self) -> None:
-        self.lm_head.tie_to(self.model.embed_tokens)
+        # a last stage that is not the first has no embedding: its head loads the
+        # embedding's checkpoint tensor instead (checkpoint_aliases)
+        if hasattr(self, "lm_head") and hasattr(self.model, "embed_tokens"):
+            self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, V] at ``batch.logits_indices``, or [T, V] for every new token."""
-        h = self.model(batch.input_ids, batch.positions)
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Checkpoint name -> the model's name that loads it, where they differ."""
+        pp = self.pp
+        if self.config.tie_word_embeddings and pp is not None and pp.is_last and \
+                not pp.is_first:
+            return {"model.embed_tokens.weight": "lm_head.weight"}
+        return {}
+
+    def other_stage_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage: the loader
+        skips it without reading it."""
+        pp = self.pp
+        if pp is None:
+            return False
+        layer = checkpoint_layer(name)
+        if layer is not None:  # a layer past the model's is unexpected, not another stage's
+            return layer < self.config.num_layers and not pp.holds_layer(layer)
+        if name.startswith("model.embed_tokens."):
+            return not pp.is_first
+        if name.startswith(("model.norm.", "lm_head.")):
+            return not pp.is_last
+        return False
+
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] at ``batch.logits_indices``, or [T, V] for every new token. A pipeline
+        stage after the first takes the previous stage's ``hidden`` [T, hidden_size] for the
+        same batch instead of embedding its tokens; a stage before the last returns its
+        hidden states [T, hidden_size] of every token (before the final norm) for the next."""
+        pp = self.pp
+        if pp is None or pp.is_first:
+            if hidden is not None:
+                raise EngineError("the first pipeline stage embeds the batch's tokens; pass no "
+                                  "hidden states to it.")
+            h = self.model(batch.input_ids, batch.positions)
+        else:
+            want = (batch.num_tokens, self.config.hidden_size)
+            got = None if hidden is None else tuple(hidden.shape)
+            if got != want:
+                raise EngineError(f"pipeline stage {pp.rank} (layers {pp.start}..{pp.end - 1}) "
+                                  f"needs the previous stage's hidden states of shape "
+                                  f"{list(want)} for this batch; got "
+                                  f"{'none' if got is None else list(got)}.")
+            h = self.model(batch.input_ids, batch.positions, hidden)
+        if pp is not None and not pp.is_last:
+            return h
         if not return_all_logits:
             h = h[batch.logits_indices]  # the norm is per token, so select before it
         return self.lm_head(self.model.norm(h))

@@ -12,6 +12,11 @@ With a tensor-parallel group (``tp``) the model is built sharded (engine.paralle
 module that is cut says how (``tp_cut(local, shard)``): the loader keeps only the rank's chunk.
 From safetensors it reads only that chunk (``get_slice``); a GGUF's tensors arrive whole
 (dequantized one at a time) and are cut before they are copied, so a rank holds its shard only.
+
+With a pipeline stage (``pp``) the model holds only the stage's part; a checkpoint tensor that
+the model calls another stage's (``other_stage_tensor(name)``) is skipped by name, before it is
+read (or, from a GGUF, dequantized). A model may load a checkpoint tensor under another of its
+names (``checkpoint_aliases()``: a tied head on a last stage reads the embedding's tensor).
 """
 
 from __future__ import annotations
@@ -89,11 +94,16 @@ def _read_cut(sl, cut) -> torch.Tensor:
     return sl[tuple(index)]
 
 
-def _tensors(ckpt: Checkpoint, dtype: torch.dtype, index: dict, tp):
-    """(name, tensor as read, its cut or None, its full shape) for every checkpoint tensor;
-    with ``tp`` a tensor that is cut comes as the rank's chunk (read alone from safetensors)."""
+def _read(ckpt: Checkpoint, dtype: torch.dtype, keep):
+    return ckpt.tensors(dtype) if keep is None else ckpt.tensors(dtype, keep)
+
+
+def _tensors(ckpt: Checkpoint, dtype: torch.dtype, index: dict, tp, keep=None):
+    """(name, tensor as read, its cut or None, its full shape) for every checkpoint tensor
+    (``keep``: only those whose name it accepts, the others never read); with ``tp`` a tensor
+    that is cut comes as the rank's chunk (read alone from safetensors)."""
     if tp is None:
-        for name, tensor in ckpt.tensors(dtype):
+        for name, tensor in _read(ckpt, dtype, keep):
             yield name, tensor, None, tuple(tensor.shape)
         return
     if ckpt.format == "hf":
@@ -104,6 +114,8 @@ def _tensors(ckpt: Checkpoint, dtype: torch.dtype, index: dict, tp):
         for path in safetensors_files(ckpt.path):
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if keep is not None and not keep(name):
+                        continue
                     cut = _tp_cut(*index[name][:3]) if name in index else None
                     if cut is None:
                         yield name, f.get_tensor(name), None, None
@@ -111,18 +123,30 @@ def _tensors(ckpt: Checkpoint, dtype: torch.dtype, index: dict, tp):
                         sl = f.get_slice(name)
                         yield name, _read_cut(sl, cut), cut, tuple(sl.get_shape())
         return
-    for name, tensor in ckpt.tensors(dtype):  # a GGUF: whole tensors, cut here
+    for name, tensor in _read(ckpt, dtype, keep):  # a GGUF: whole tensors, cut here
         cut = _tp_cut(*index[name][:3]) if name in index else None
         yield name, tensor if cut is None else cut.apply(tensor), cut, tuple(tensor.shape)
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, tp=None) -> None:
+def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, tp=None,
+                 pp=None) -> None:
     index = checkpoint_index(model)
-    seen = set()
+    if hasattr(model, "checkpoint_aliases"):
+        for ckpt_name, model_name in model.checkpoint_aliases().items():
+            index[ckpt_name] = index.pop(model_name)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, tensor, cut, full_shape in _tensors(ckpt, dtype, index, tp):
-        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-            continue  # a tied head is the embedding; some checkpoints store it anyway
+
+    def ignored(name: str) -> bool:  # a tied head is the embedding; some checkpoints store it
+        return name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
+
+    keep = None
+    if pp is not None:
+        def keep(name: str) -> bool:
+            return name in index or not (ignored(name) or model.other_stage_tensor(name))
+    seen = set()
+    for name, tensor, cut, full_shape in _tensors(ckpt, dtype, index, tp, keep):
+        if ignored(name):
+            continue
         if name not in index:
             raise EngineError(f"Unexpected tensor {ckpt.label(name)} in the checkpoint: the "
                               f"model has no such weight (wrong architecture in "
@@ -142,14 +166,21 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, tp=None
 
 @torch.no_grad()
 def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="cpu",
-               quant_method=None, tp=None) -> nn.Module:
-    """``tp``: this rank's TPGroup (engine.parallel.group); the model holds only its shard."""
+               quant_method=None, tp=None, pp=None) -> nn.Module:
+    """``tp``: this rank's TPGroup (engine.parallel.group); the model holds only its shard.
+    ``pp``: this rank's PPStage (engine.parallel.stage); the model holds only the stage's part
+    and only its tensors are read."""
     if tp is not None and quant_method is not None:
         raise EngineError("tensor parallelism does not support quantized models yet; serve "
                           "without --quantization or with --tp-size 1.")
+    if pp is not None and not getattr(model_cls, "supports_pp", False):
+        arch = getattr(config, "architecture", model_cls.__name__)
+        raise EngineError(f"architecture {arch} does not support --pp-size yet; serve it with "
+                          f"--pp-size 1.")
+    parallel = {k: v for k, v in (("tp", tp), ("pp", pp)) if v is not None}
     with torch.device("meta"):
         # dtype first (free on meta), then one allocation on the device, no init pass
-        model = (model_cls(config) if tp is None else model_cls(config, tp=tp)).to(dtype=dtype)
+        model = model_cls(config, **parallel).to(dtype=dtype)
         if quant_method is not None:
             # after the cast, which would widen the swapped-in quantized tensors too
             model = quant_method.convert(model)
@@ -159,7 +190,7 @@ def load_model(model_cls, config, ckpt: Checkpoint, dtype: torch.dtype, device="
     for module in model.modules():
         if module is not model and hasattr(module, "init_buffers"):
             module.init_buffers()
-    load_weights(model, ckpt, dtype, tp)
+    load_weights(model, ckpt, dtype, tp, pp)
     if quant_method is not None:
         for module in model.modules():
             quant_method.process_weights(module)

@@ -73,8 +73,16 @@ def rank_head_counts(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[i
                                                                                  tp_size)
 
 
-def rank_layer_specs(config, tp_size: int) -> list:
+def rank_layer_specs(config, tp_size: int, pp=None) -> list:
     """``config.layer_specs()`` with one rank's head counts: what its attention backend and
-    KV pool are built for."""
+    KV pool are built for. ``pp`` (a PPStage): only the stage's layers, in order (their
+    sliding windows those of the global layers ``pp.start`` .. ``pp.end - 1``), indexed by the
+    layers' local ids."""
     heads, kv_heads = rank_head_counts(config.num_heads, config.num_kv_heads, tp_size)
-    return [replace(s, num_heads=heads, num_kv_heads=kv_heads) for s in config.layer_specs()]
+    specs = config.layer_specs()
+    if pp is not None:
+        if pp.end > len(specs):
+            raise EngineError(f"pipeline parallelism: stage {pp.rank} holds layers {pp.start}.."
+                              f"{pp.end - 1} but the model has {len(specs)}.")
+        specs = specs[pp.start:pp.end]
+    return [replace(s, num_heads=heads, num_kv_heads=kv_heads) for s in specs]

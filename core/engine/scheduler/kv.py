@@ -98,7 +98,7 @@ class KVManager:
         req.row = row
         k = len(prefix.slots)
         if k:
-            self.pool.req_to_token[row, :k] = prefix.slots.to(self.pool.req_to_token.device)
+            self.pool.write_row(row, 0, prefix.slots)
         req.kv_len = req.alloc_len = req.cached_len = k
         req.last_node = prefix.node
         if prefix.node is not None:
@@ -142,7 +142,7 @@ class KVManager:
         else:  # a new page where the last one is full, else the last page's next slot
             slots = table[rows, (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
-        table[rows, pos] = slots
+        self.pool.write_slots([r.row for r in reqs], positions, slots)
         for r in reqs:
             r.alloc_len += 1
 
@@ -188,7 +188,7 @@ class KVManager:
         dup, node, slots = self.cache.insert(req.seq[:n], row[:n].cpu())
         if dup > req.cached_len:
             self._free_range(req, req.cached_len, dup)
-            row[req.cached_len:dup] = slots[req.cached_len:dup].to(row.device)
+            self.pool.write_row(req.row, req.cached_len, slots[req.cached_len:dup])
         self.cache.inc_lock(node)  # lock the new end before unlocking the old (shared) path
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)

@@ -103,6 +103,8 @@ async def server_info(request: Request):
                 shutdown_grace_period=s.shutdown_grace_period,
                 architecture=engine.runner.model_config.architecture,
                 version=_version(), sizing=sizing.as_dict(), sizing_report=sizing.lines())
+    if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
+        info["parallel"] = engine.runner.info()
     try:  # SGLang's key: one entry per engine (one here)
         info["internal_states"] = [await st.runtime.call(internal_state)]
     except EngineFailed as e:

@@ -74,5 +74,8 @@ def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
     server = build_server(engine, settings, log_level)
     logger.info(f"serving '{settings.served_model_name}' on http://{settings.host}:"
                 f"{settings.port}")
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.close()  # the tp/pp workers, if any
     logger.info("server stopped")

@@ -64,6 +64,9 @@ class EngineRuntime:
 
     @property
     def alive(self) -> bool:
+        gone = getattr(self.engine, "failure", None)  # a tp/pp rank is gone, maybe idle
+        if self.failed is None and gone:
+            self.failed = gone
         return self._thread.is_alive() and self.failed is None and not self._closed
 
     async def call(self, fn: Callable[[Any], Any]):
@@ -192,6 +195,11 @@ class EngineRuntime:
         MAX_FAILED_STEPS steps failed in a row, the engine is declared down (/health 503)."""
         self._failed_steps += 1
         what = f"{type(e).__name__}: {e}"
+        if getattr(e, "fatal", False):  # nothing to recover: a tp/pp rank is gone
+            logger.error(f"engine step failed: {e}")
+            self.failed = str(e)
+            self._fail_all(str(e))
+            return
         logger.exception(f"engine step failed ({what}); aborting every request in flight")
         self._fail_all(f"internal error in the engine step ({what}); the request was aborted "
                        f"(see the server log)")
