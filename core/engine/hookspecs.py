@@ -12,6 +12,17 @@ import pluggy
 hookspec = pluggy.HookspecMarker("engine")
 hookimpl = pluggy.HookimplMarker("engine")
 
+# The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
+# added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
+ENGINE_HOOKS_VERSION = "1.0"
+# A plugin declares the contract it was built for as a module attribute of this name holding
+# a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
+# always match). One that declares nothing is taken as "1.0", the first versioned contract.
+# A plugin built for another major, or a newer minor, is not loaded: `engine plugins` says
+# what it needs and what this engine offers (see engine.contract.contract_problem).
+PLUGIN_HOOKS_VERSION_ATTRIBUTE = "ENGINE_HOOKS_VERSION"
+UNDECLARED_HOOKS_VERSION = "1.0"
+
 
 @hookspec
 def register_attention_backends(register):

@@ -11,7 +11,8 @@ from importlib import metadata
 import pluggy
 
 from engine import hookspecs
-from engine.registry import DuplicateRegistration, Entry, Registries
+from engine.contract import contract_problem, withheld_names
+from engine.registry import DuplicateRegistration, EngineError, Entry, Registries
 
 DEFAULT_PLUGINS = (
     "engine.builtins.attention_torch_native",
@@ -31,6 +32,9 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
     registered: dict[str, list[str]] = field(default_factory=dict)
     error: str | None = None
+    hooks_version: str | None = None  # the contract it declares (None: undeclared)
+    incompatible: str | None = None  # why it is not loaded: built for another hook contract
+    withheld: dict[str, list[str]] = field(default_factory=dict)  # names it would register
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -80,7 +84,13 @@ def load_entry_points(manager: pluggy.PluginManager, infos: dict[str, PluginInfo
         info = PluginInfo(ep.name, dist, version)
         infos[ep.name] = info
         try:
-            manager.register(ep.load(), name=ep.name)
+            plugin = ep.load()
+            info.hooks_version = getattr(plugin, hookspecs.PLUGIN_HOOKS_VERSION_ATTRIBUTE, None)
+            info.incompatible = contract_problem(info.hooks_version)
+            if info.incompatible:  # never registered: it cannot fail later, deep in a step
+                info.withheld = withheld_names(plugin)
+                continue
+            manager.register(plugin, name=ep.name)
         except Exception as exc:  # a broken plugin must not stop the others
             info.error = f"failed to load: {type(exc).__name__}: {exc}"
 
@@ -151,6 +161,11 @@ def build_registries(manager: pluggy.PluginManager, infos: dict[str, PluginInfo]
     """Call every registration hook plugin by plugin; a hook that raises is recorded on its
     plugin and skipped. Two plugins claiming one name raises DuplicateRegistration."""
     regs = Registries()
+    for info in list(infos.values()):
+        for key, names in info.withheld.items() if info.incompatible else ():
+            for name in names:
+                regs.all()[key].withheld[name] = (
+                    f"{info.dist} {info.version}, which is not loaded: it {info.incompatible}")
     for hook in REGISTRATION_HOOKS:
         # pluggy's call order is last-registered first; registration order reads better here
         for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
@@ -176,6 +191,23 @@ def get_registries() -> Registries:
     if _registries is None:
         _registries = build_registries(load_plugins(), _infos)
     return _registries
+
+
+def registries_with(*plugins) -> tuple[pluggy.PluginManager, Registries]:
+    """A fresh manager holding the built-ins and ``plugins`` (modules or objects with
+    hookimpls; named plugin-0, plugin-1, ...), and its registries: for a plugin's own tests,
+    which need neither an installed plugin nor the environment's other plugins."""
+    manager, infos = new_plugin_manager(), {}
+    register_builtins(manager, infos)
+    for i, plugin in enumerate(plugins):
+        manager.register(plugin, name=f"plugin-{i}")
+        infos[f"plugin-{i}"] = PluginInfo(f"plugin-{i}", "(not installed)")
+    manager.check_pending()
+    regs = build_registries(manager, infos)
+    errors = [f"{i.name}: {i.error}" for i in infos.values() if i.error]
+    if errors:
+        raise EngineError(f"plugin hooks raised: {'; '.join(errors)}")
+    return manager, regs
 
 
 def list_plugins() -> list[PluginInfo]:

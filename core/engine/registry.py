@@ -85,6 +85,9 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
         self._aliases: dict[str, str] = {}
+        # names of plugins not loaded for another hook contract -> "dist version, which is not
+        # loaded: why"
+        self.withheld: dict[str, str] = {}
 
     def add(self, entry: Entry[T], aliases=()) -> None:
         for key in (entry.name, *aliases):
@@ -120,6 +123,8 @@ class Registry(Generic[T]):
         key = self._aliases.get(name, name)
         if key in self._entries:
             return self._entries[key]
+        if name in self.withheld:  # a plugin built for another hook contract (contract.py)
+            raise error(f"{self.kind} '{name}' is provided by {self.withheld[name]}.")
         msg = f"Unknown {self.kind} '{name}'."
         close = difflib.get_close_matches(name, [*self._entries, *self._aliases], n=1)
         if close:
