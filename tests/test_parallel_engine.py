@@ -107,3 +107,21 @@ def test_bad_layouts_are_refused_before_any_process_starts(models, kwargs, match
     model = models[kwargs.pop("model", "qwen2_gqa")]
     with pytest.raises(EngineError, match=match):
         Engine(model, **{**BASE, **kwargs})
+
+
+def test_a_worker_that_cannot_join_is_named_at_once(models, monkeypatch, tmp_path):
+    """A local rank that dies before joining ends the start as soon as it exits, naming it
+    (not after --dist-timeout)."""
+    import time
+
+    from engine.parallel import launch
+
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.setattr(launch, "WORKER_COMMAND", [str(script)])
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"rank 0 \(tp 0\) could not join the 2 ranks' gloo "
+                                          r"group within --dist-timeout 60 s: rank 1 \(tp 1\) "
+                                          r"exited with code 3"):
+        Engine(models["qwen2_gqa"], **BASE, tp_size=2)
+    assert time.monotonic() - start < 30

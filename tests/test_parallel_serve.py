@@ -98,6 +98,20 @@ def test_tp2_serves_like_one_process_and_a_killed_rank_is_named(model, reference
     assert "the engine cannot serve: rank 1 (tp 1) exited with code -9" in server.log()
 
 
+def test_pp2_serves_like_one_process(model, reference, tmp_path):
+    """Two stages (one layer each) behind `engine serve`, the batch in two micro-batches."""
+    server = ServerProcess(args(model, "--pp-size", "2", "--dist-timeout", "60"),
+                           tmp_path / "pp2.log", env=ENV)
+    try:
+        server.wait_ready(180)
+        assert generate(server.url) == reference
+        ranks = httpx.get(server.url + "/get_server_info", timeout=10).json()["parallel"]["ranks"]
+        assert [r["pp_rank"] for r in ranks] == [0, 1]
+    finally:
+        assert server.stop() == 0
+    assert "cuda graph: off (CUDA graphs need a CUDA GPU" in server.log()
+
+
 def test_two_nodes_serve_together(model, reference, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     common = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "60")

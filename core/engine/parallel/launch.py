@@ -22,6 +22,8 @@ from engine.parallel.topology import Topology
 from engine.registry import EngineError
 
 logger = logging.getLogger("engine.parallel")
+# how a worker rank is started: `python <this> RANK SPEC` (tests put a failing script here)
+WORKER_COMMAND = ["-m", "engine.parallel.worker"]
 # the control group (rank 0's messages) waits as long as the server idles
 CONTROL_TIMEOUT = timedelta(days=365)
 
@@ -54,14 +56,14 @@ def join_world(config, topo: Topology, rank: int, store, strategy, num_layers: i
     ranks that exited, for the error when joining fails."""
     from engine.parallel.group import TPGroup
 
-    try:
-        strategy.init_rank(rank, topo.world, dist.PrefixStore("pg", store), config.dist_timeout)
-    except Exception as e:  # noqa: BLE001 - a timeout or a connection error
+    error = _join(strategy, rank, topo.world, dist.PrefixStore("pg", store), config.dist_timeout,
+                  describe_local)
+    if error is not None:
         known = describe_local() if describe_local else None
         raise EngineError(
             f"{topo.describe(rank)} could not join the {topo.world} ranks' "
             f"{strategy.backend} group within --dist-timeout {config.dist_timeout} s"
-            f"{': ' + known if known else ''} ({type(e).__name__}: {str(e)[:300]}).") from None
+            f"{': ' + known if known else ''} ({error}).")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     # every rank creates every stage's group, in the same order (torch.distributed's rule)
     groups = [dist.new_group(topo.stage_ranks(s)) if topo.pp > 1 and topo.tp > 1 else None
@@ -77,6 +79,28 @@ def join_world(config, topo: Topology, rank: int, store, strategy, num_layers: i
     return RankContext(topo, rank, store, control, tp, stage)
 
 
+def _join(strategy, rank: int, world: int, store, timeout_s: int, describe_local) -> str | None:
+    """``strategy.init_rank`` on a thread, so that a local rank that exits meanwhile ends the
+    wait at once (named) instead of after the whole timeout; None once joined."""
+    import threading
+
+    failed: list[str] = []
+
+    def join():
+        try:
+            strategy.init_rank(rank, world, store, timeout_s)
+        except Exception as e:  # noqa: BLE001 - a timeout or a connection error
+            failed.append(f"{type(e).__name__}: {str(e)[:300]}")
+
+    thread = threading.Thread(target=join, name="join-world", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        if thread.is_alive() and describe_local and describe_local():
+            return "gave up waiting for it"
+    return failed[0] if failed else None
+
+
 def spawn_local_ranks(config, topo: Topology, ranks, host: str, port: int,
                       resolved: dict, log_level: str) -> dict[int, subprocess.Popen]:
     """Start ``ranks`` of this node as worker processes; they inherit stdout and stderr."""
@@ -86,16 +110,17 @@ def spawn_local_ranks(config, topo: Topology, ranks, host: str, port: int,
     for rank in ranks:
         env = dict(os.environ, ENGINE_RANK=str(rank), ENGINE_LOCAL_RANK=str(rank % topo.per_node))
         procs[rank] = subprocess.Popen(
-            [sys.executable, *os.environ.get("ENGINE_WORKER_CMD", "-m engine.parallel.worker").split(), str(rank), json.dumps(spec)], env=env)
+            [sys.executable, *WORKER_COMMAND, str(rank), json.dumps(spec)], env=env)
     return procs
 
 
 def exited(topo: Topology, procs: dict, store) -> str | None:
-    """The first local rank that exited, with its last words, or None."""
+    """The first local rank that exited, with its last words (when ``store`` is given: not
+    while another thread waits on it, which holds the store's client), or None."""
     for rank, proc in procs.items():
         code = proc.poll()
         if code is not None:
-            error = rendezvous.read_error(store, rank)
+            error = rendezvous.read_error(store, rank) if store is not None else None
             return (f"{topo.describe(rank)} exited with code {code}"
                     f"{': ' + error if error else ''}")
     return None
@@ -137,7 +162,7 @@ def start_rank0(config, checkpoint, model_config, regs, device, strategy, entrie
                 f"{sorted(procs)}")
     try:
         ctx = join_world(config, topo, 0, store, strategy, model_config.num_layers,
-                         lambda: exited(topo, procs, store))
+                         lambda: exited(topo, procs, None))
         runner = build_runner(config, checkpoint, regs, device, entries["attention"],
                               entries["kv"], entries["quant"], ctx.tp, ctx.stage)
         return ParallelRunner(runner, ctx, procs, config)
