@@ -218,6 +218,24 @@ def exercise_observers(module, cpu_device, tiny_model_factory):
     assert module.TOTALS["generated_tokens"] == 8
 
 
+def exercise_grammar(module, cpu_device, tiny_model_factory):
+    from engine import Engine
+    from engine.interfaces import Constraint
+
+    _, regs = registries_with(module)
+    assert regs.grammar.get("choices").extra["priority"] == -10
+    with registered_globally(module):  # a real engine whose outputs it constrains
+        engine = Engine(tiny_model_factory(), device="cpu", max_total_tokens=256,
+                        grammar_backend="choices")
+    reqs = engine.add_request("pick one", {"max_new_tokens": 30, "temperature": 1.0, "n": 3,
+                                           "seed": 0},
+                              constraint=Constraint("choice", '["yes", "no"]', "guided_choice"))
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert {engine.output(r)["text"] for r in reqs} <= {"yes", "no"}
+    assert [r.finish_reason for r in reqs] == ["stop"] * 3
+
+
 def exercise_parallel(module, cpu_device, tiny_model_factory):
     """Picked by name, then joined by one rank in this process (the installed guide runs it
     with two ranks through `engine generate --tp-size 2`, below)."""

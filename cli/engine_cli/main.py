@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from engine.plugins import load_plugins
+from engine_cli.bench_cmd import bench_command
+from engine_cli.doctor_cmd import doctor_command
 from engine_cli.generate_cmd import generate_command
 from engine_cli.plugins_cmd import plugins_command
 from engine_cli.serve_cmd import serve_command
@@ -19,5 +21,7 @@ def cli():
 cli.add_command(plugins_command)
 cli.add_command(serve_command)
 cli.add_command(generate_command)
+cli.add_command(doctor_command)
+cli.add_command(bench_command)
 
 load_plugins().hook.register_commands(cli=cli)

@@ -13,6 +13,17 @@ from engine.registry import UnknownName, resolve_policy
 _D = EngineConfig()  # the engine's defaults, shown in --help
 
 
+def _conservativeness(value):
+    """--schedule-conservativeness: a number, or "auto"."""
+    if value == "auto" or isinstance(value, float):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is neither a number nor 'auto' (e.g. 0.3, 1.3 or "
+                         f"auto)") from None
+
+
 class RegistryChoice(click.ParamType):
     """A name from one of the plugin registries; a wrong one fails with the registry's message
     (did-you-mean, what is registered and by which distribution)."""
@@ -128,7 +139,10 @@ ENGINE_OPTIONS = [
     click.option("--max-model-len", "--context-length", "max_model_len", type=int,
                  help="Longest prompt + output.  [default: the model's]"),
     click.option("--schedule-policy", default=_D.schedule_policy, type=RegistryChoice("policies")),
-    click.option("--schedule-conservativeness", default=_D.schedule_conservativeness, type=float),
+    click.option("--schedule-conservativeness", default=_D.schedule_conservativeness,
+                 type=_conservativeness, metavar="FLOAT|auto",
+                 help="Share of max_new_tokens reserved for running requests, x 0.7 (lower admits "
+                      "more); 'auto' learns it from the output lengths observed."),
     click.option("--chunked-prefill-size", type=int,
                  help="Prompt tokens per step (-1: no chunking).  [default: per device]"),
     click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
@@ -156,6 +170,11 @@ ENGINE_OPTIONS = [
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
                  help="vLLM's: --no-enable-chunked-prefill = --chunked-prefill-size -1."),
     click.option("--seed", default=_D.seed, type=int),
+    click.option("--grammar-backend", default=_D.grammar_backend,
+                 type=RegistryChoice("grammar", ("auto", "none")),
+                 help="Structured outputs (response_format, json_schema, regex, ebnf, guided_*). "
+                      "auto: the installed backend with the highest priority (xgrammar, then "
+                      "llguidance); none: off (constrained requests get a 400)."),
     # parallelism (engine/parallel): tp x pp ranks, one process each, over --nnodes nodes
     click.option("--tp-size", "--tensor-parallel-size", "tp_size", default=_D.tp_size,
                  type=click.IntRange(min=1),

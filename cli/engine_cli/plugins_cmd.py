@@ -17,6 +17,7 @@ SECTIONS = (
     ("kv_dtypes", "KV-cache dtypes"),
     ("parallel", "Parallel strategies"),
     ("routing", "Routing policies (--dp-size)"),
+    ("grammar", "Grammar backends (--grammar-backend)"),
     ("models", "Model architectures"),
 )
 

@@ -9,7 +9,7 @@ import click
 from engine_cli.options import EngineCommand, RegistryChoice, engine_options, split_options
 
 SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
-                "max_request_bytes", "shutdown_grace_period")
+                "max_request_bytes", "shutdown_grace_period", "record_trace")
 # the dp front's own flags: not passed on to its replicas
 ROUTER_FLAGS = ("dp_size", "router_policy", "router_balance_abs_threshold",
                 "router_balance_rel_threshold", "router_cache_threshold")
@@ -32,6 +32,9 @@ FRONT_ONLY = (*ROUTER_FLAGS, "host", "port")
               help="Larger request bodies get a 413.")
 @click.option("--shutdown-grace-period", default=30.0, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish after SIGTERM/SIGINT.")
+@click.option("--record-trace", type=click.Path(dir_okay=False, writable=True),
+              help="Append a JSONL line per finished request (arrival time since start, prompt "
+                   "and output tokens): the trace `engine bench --dataset-name trace` replays.")
 @click.option("--dp-size", "--data-parallel-size", "dp_size", default=1,
               type=click.IntRange(min=1),
               help="Engine replicas (processes), each with the whole model, behind one HTTP "
@@ -49,6 +52,10 @@ FRONT_ONLY = (*ROUTER_FLAGS, "host", "port")
 def serve_command(**kwargs):
     """Serve a model over HTTP (OpenAI-compatible and SGLang-style routes)."""
     ctx = click.get_current_context()
+    if kwargs["record_trace"] and (kwargs["dp_size"] > 1 or kwargs["node_rank"] > 0):
+        raise click.UsageError("--record-trace records on a single engine server: not with "
+                               "--dp-size > 1 (record on one replica's server) nor on a node "
+                               "with --node-rank > 0 (node 0 serves HTTP; record there).")
     if kwargs["dp_size"] > 1:
         if kwargs["nnodes"] > 1:
             raise click.UsageError("--nnodes with --dp-size: the dp front runs its replicas on "

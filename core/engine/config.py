@@ -31,7 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context length; None: the model's
     # scheduling
     schedule_policy: str = "lpm"
-    schedule_conservativeness: float = 1.0
+    schedule_conservativeness: float | str = 1.0  # or "auto" (scheduler/adaptive.py)
     chunked_prefill_size: int | None = None  # None: per-device default; -1 disables chunking
     max_prefill_tokens: int = _DEFAULT_MAX_PREFILL_TOKENS
     disable_radix_cache: bool = False
@@ -58,6 +58,9 @@ class EngineConfig:
     # requests per pipeline micro-batch (None: a batch is cut into pp_size micro-batches)
     pp_max_micro_batch_size: int | None = None
     seed: int = 0
+    # structured outputs: auto = the usable grammar backend with the highest priority (none
+    # installed: constrained requests are refused), none = off, or a registered name
+    grammar_backend: str = "auto"
     plugin_options: dict = field(default_factory=dict)
     # vLLM's spellings (validate() folds each into the SGLang knob above; both with different
     # values is an error naming both)
@@ -90,8 +93,11 @@ class EngineConfig:
             value = getattr(self, name)
             need(value is None or value >= 1,
                  f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        need(self.schedule_conservativeness > 0,
-             f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
+        sc = self.schedule_conservativeness
+        need(sc == "auto" or (isinstance(sc, (int, float)) and not isinstance(sc, bool)
+                              and sc > 0),
+             f"--schedule-conservativeness must be a number > 0 (1.0: SGLang's default; lower "
+             f"admits more) or 'auto' (adapts to the output lengths observed), got {sc!r}")
         c = self.chunked_prefill_size
         need(c is None or c == -1 or c >= 1,
              f"--chunked-prefill-size must be -1 (disabled) or >= 1, got {c}")
@@ -106,6 +112,9 @@ class EngineConfig:
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         self._check_parallel(need)
+        need(isinstance(self.grammar_backend, str) and bool(self.grammar_backend),
+             f"--grammar-backend must be auto, none or a grammar backend's name, got "
+             f"{self.grammar_backend!r}")
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
         need(self.dp_size == 1,
              f"dp_size {self.dp_size}: one Engine is one replica; N replicas are N processes "

@@ -40,7 +40,7 @@ HOOK_REGISTRY = {
     "register_attention_backends": "attention", "register_kv_cache_dtypes": "kv_dtypes",
     "register_quantization_methods": "quantization", "register_schedule_policies": "policies",
     "register_parallel_strategies": "parallel", "register_models": "models",
-    "register_routing_policies": "routing",
+    "register_routing_policies": "routing", "register_grammar_backends": "grammar",
 }
 
 

@@ -28,7 +28,8 @@ class Engine:
         from engine.models.dtype import resolve_dtype
         from engine.plugins import call_observers, get_registries, load_plugins
         from engine.registry import (default_page_size, resolve_attention_backend,
-                                     resolve_kv_dtype, resolve_parallel_strategy, resolve_policy,
+                                     resolve_grammar_backend, resolve_kv_dtype,
+                                     resolve_parallel_strategy, resolve_policy,
                                      resolve_quantization)
 
         self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
@@ -40,6 +41,7 @@ class Engine:
         # resolve every name before loading anything, so that mistakes fail fast
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
+        self.grammar_entry = resolve_grammar_backend(regs, config.grammar_backend)
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)
@@ -73,6 +75,7 @@ class Engine:
 
         torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
         from engine.cuda_graph import estimate_graph_bytes
+        from engine.grammar import build_compiler
         from engine.memory.radix_cache import RadixCache
         from engine.memory.sizing import plan
         from engine.models.checkpoint import load_tokenizer_dir
@@ -128,6 +131,7 @@ class Engine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammar = build_compiler(self.grammar_entry, self.tokenizer, mc.vocab_size)
         self.scheduler = Scheduler(
             runner, KVManager(pool, cache), policy_entry.obj(config),
             policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
@@ -145,6 +149,7 @@ class Engine:
         logger.info(f"attention backend: {attn_entry.name} ({attn_entry.origin}); "
                     f"schedule policy: {policy_entry.name}; radix cache: "
                     f"{'disabled' if cache is None else 'enabled'}")
+        logger.info(self._grammar_line())
         for line in self.sizing.lines():
             logger.info(line)
         if self.parallel is not None:
@@ -154,6 +159,17 @@ class Engine:
             scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
                       "1.0 (none in the checkpoint)")
             logger.info(f"KV cache {config.kv_cache_dtype}: per-layer K/V scales {scales}")
+
+    def _grammar_line(self) -> str:
+        from engine.registry import GRAMMAR_INSTALL
+
+        entry = self.grammar_entry
+        if entry is not None:
+            return f"grammar backend: {entry.name} ({entry.origin})"
+        if self.config.grammar_backend == "none":
+            return "grammar backend: none (--grammar-backend none: structured outputs are off)"
+        return (f"grammar backend: none (none installed: structured outputs are off; "
+                f"{GRAMMAR_INSTALL})")
 
     def _capture_cuda_graphs(self, runner) -> str:
         """Capture the decode graphs when they apply; returns the start log's line about them."""
@@ -206,8 +222,13 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, prompt, sampling_params=None, rid: str | None = None,
-                    stream: bool = False) -> list:
-        """Queue one prompt (text or token ids); returns its ``n`` Req objects."""
+                    stream: bool = False, constraint=None) -> list:
+        """Queue one prompt (text or token ids); returns its ``n`` Req objects. ``constraint``
+        (an engine.interfaces.Constraint; default: the params' json_schema / regex / ebnf) is
+        compiled on a worker thread: the requests wait in the queue meanwhile, and one whose
+        compile fails finishes with reason "error" (``Req.error`` says why)."""
+        from engine.grammar import RequestGrammar
+
         from engine.sampling import IncrementalDetokenizer
         from engine.sampling.sampler import make_generator
         from engine.scheduler.request import Req, Status
@@ -215,6 +236,9 @@ class Engine:
         params = self.make_params(sampling_params)
         ids = self.tokenize(prompt)
         self.check_request(ids, params)
+        constraint = constraint or params.constraint()
+        if constraint is not None:
+            self.check_constraint(constraint)
         rid = rid or f"req-{next(_rids)}"
         reqs, leader = [], None
         for i in range(params.n):
@@ -222,6 +246,8 @@ class Engine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             req = Req(rid if params.n == 1 else f"{rid}-{i}", list(ids), p,
                       generator=make_generator(p.seed), group_leader=leader)
+            if constraint is not None:  # its own matcher; the compile is shared (cached)
+                req.grammar = RequestGrammar(self.grammar, constraint)
             if stream or p.stop:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
             leader = leader or req
@@ -251,6 +277,23 @@ class Engine:
                 f"the request needs {total} KV slots ({len(ids)} prompt + {params.max_new_tokens} "
                 f"new) but the KV pool holds {self.sizing.max_total_tokens} in all; lower "
                 f"max_new_tokens or raise --max-total-tokens / --mem-fraction-static.")
+
+    def check_constraint(self, constraint) -> None:
+        """A RequestError when this engine cannot enforce ``constraint`` at all."""
+        from engine.registry import GRAMMAR_INSTALL
+
+        if self.grammar is not None:
+            return
+        why = ("it was started with --grammar-backend none" if self.config.grammar_backend ==
+               "none" else f"no grammar backend is installed ({GRAMMAR_INSTALL})")
+        raise RequestError(f"{constraint.field or constraint.kind}: structured outputs are off "
+                           f"on this engine: {why}.")
+
+    def compile_constraint(self, constraint):
+        """Compile ``constraint`` now (cached); GrammarError naming its field when the backend
+        refuses it. Thread-safe: the server calls it before queueing a request."""
+        self.check_constraint(constraint)
+        return self.grammar.compile(constraint)
 
     def step(self):
         return self.scheduler.step()
@@ -292,7 +335,11 @@ class Engine:
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
-        reqs = [r for p, sp in zip(prompts, sampling_params) for r in self.add_request(p, sp)]
+        params = [self.make_params(sp) for sp in sampling_params]
+        for p in params:  # a malformed constraint raises here (GrammarError), not mid-run
+            if p.constraint() is not None:
+                self.compile_constraint(p.constraint())
+        reqs = [r for p, sp in zip(prompts, params) for r in self.add_request(p, sp)]
         while not all(r.finished for r in reqs):
             self.step()
         outputs = [self.output(r) for r in reqs]
@@ -312,6 +359,8 @@ class Engine:
         reason = {"type": req.finish_reason}
         if req.finish_reason == "stop":
             reason["matched"] = req.matched_stop
+        elif req.finish_reason == "error":
+            reason["message"] = req.error
         elif req.finish_reason == "length":
             reason["length"] = len(ids)
         meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids),

@@ -14,7 +14,7 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
-ENGINE_HOOKS_VERSION = "1.0"
+ENGINE_HOOKS_VERSION = "1.1"  # 1.1: register_grammar_backends
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.
@@ -75,6 +75,15 @@ def register_parallel_strategies(register):
 
 
 @hookspec
+def register_grammar_backends(register):
+    """Register structured-output backends for ``--grammar-backend``: ``register(name, factory,
+    *, check=None, priority=0, description="")``; ``factory(tokenizer, vocab_size) ->
+    GrammarBackend`` (:class:`engine.interfaces.GrammarBackend`); ``check() -> str | None``
+    says why it cannot run here (its library missing); the default backend is the available one
+    with the highest ``priority``."""
+
+
+@hookspec
 def register_models(register):
     """Register model classes: ``register(hf_architecture, model_cls)``, e.g.
     ``register("LlamaForCausalLM", LlamaForCausalLM)``."""
@@ -108,10 +117,17 @@ def select_attention_backend(device, model_config, kv_dtype, page_size, registri
 
 @hookspec
 def engine_started(engine):
-    """Called once when an :class:`engine.engine.Engine` is ready to take requests."""
+    """Called once when an :class:`engine.engine.Engine` is ready to take requests.
+
+    ``engine.scheduler.extra_info`` is a dict an observer may fill with what it wants the server
+    to publish (JSON-able values, written on the engine's thread): ``/get_server_info`` shows
+    each of its keys that the engine's own answer does not already have (the advisor plugin
+    publishes ``"advice"``)."""
 
 
 @hookspec
 def step_finished(stats):
     """Called after each scheduler step with an :class:`engine.stats.StepStats`; never inside a
-    forward, at most once per step."""
+    forward, at most once per step. ``stats.extra_info`` is the stepping engine's
+    ``scheduler.extra_info`` (see ``engine_started``): the same dict at every step of one
+    engine, so an observer can publish there and tell engines apart by it."""

@@ -187,3 +187,61 @@ class EngineOption:
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+
+# -- structured outputs (register_grammar_backends) ------------------------------------------------
+class GrammarError(ValueError):
+    """A constraint a grammar backend cannot compile (malformed, or a feature it does not
+    support): the request is refused with a 400 naming ``field`` and the backend's message."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match. ``kind``: "json_object" (any JSON object; ``spec``
+    ""), "json_schema" (``spec``: the schema as JSON text), "regex", "ebnf" (a GBNF/Lark-style
+    grammar, as the backend reads it) or "choice" (``spec``: a JSON list of strings: the output
+    is exactly one of them). ``field``: the request field it came from, for error messages
+    (e.g. "response_format.json_schema"). Hashable: compiled grammars are cached by it."""
+
+    kind: str
+    spec: str
+    field: str = ""
+
+
+class GrammarMatcher(ABC):
+    """One sequence's position in its grammar (each of ``n`` samples has its own)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``: an int32 tensor [B, ceil(V/32)]
+        on the host where bit j of word i allows token 32*i + j (xgrammar's and llguidance's
+        layout). Called once per step for each constrained row, on the scheduler's thread."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance past the sampled token; False when the grammar rejects it."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete: the sequence ends here (finish reason "stop")."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints for one tokenizer. Built once per engine by the factory registered
+    with ``register_grammar_backends``: ``factory(tokenizer, vocab_size) -> GrammarBackend``
+    (``tokenizer``: the engine's transformers tokenizer; ``vocab_size``: the model's logits
+    width, which may exceed the tokenizer's vocabulary)."""
+
+    kinds: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf", "choice")
+
+    @abstractmethod
+    def compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar (may take a while; called on a worker thread, so it must be
+        thread-safe). Raises GrammarError for a malformed or unsupported constraint."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``."""

@@ -135,6 +135,12 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
     def parallel(name, strategy, *, check=None):
         add(regs.parallel, "parallel", name, strategy, check)
 
+    def grammar(name, factory, *, check=None, priority=0, description=""):
+        # its check() takes no device (a library, not hardware); Entry asks with one
+        add(regs.grammar, "grammar", name, factory,
+            (lambda device=None: check()) if check else None, priority=priority,
+            description=description)
+
     def model(arch, cls):
         add(regs.models, "models", arch, cls)
 
@@ -147,13 +153,14 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         "register_quantization_methods": quantization, "register_schedule_policies": policy,
         "register_parallel_strategies": parallel, "register_models": model,
         "register_serve_options": serve_option, "register_routing_policies": routing,
+        "register_grammar_backends": grammar,
     }[hook]
 
 
 REGISTRATION_HOOKS = (
     "register_kv_cache_dtypes", "register_attention_backends", "register_quantization_methods",
     "register_schedule_policies", "register_parallel_strategies", "register_models",
-    "register_serve_options", "register_routing_policies",
+    "register_serve_options", "register_routing_policies", "register_grammar_backends",
 )
 
 

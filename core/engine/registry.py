@@ -24,7 +24,13 @@ KNOWN_PROVIDERS = {
         "lpm": ("engine-policy-lpm", "plugins/policy_lpm"),
         "fcfs": ("engine-policy-fcfs", "plugins/policy_fcfs"),
     },
+    "grammar backend": {
+        "xgrammar": ("engine-grammar-xgrammar", "plugins/grammar_xgrammar"),
+        "llguidance": ("engine-grammar-llguidance", "plugins/grammar_llguidance"),
+    },
 }
+GRAMMAR_INSTALL = ("pip install ./plugins/grammar_xgrammar (or ./plugins/grammar_llguidance; "
+                   "from PyPI: engine-grammar-xgrammar, engine-grammar-llguidance)")
 
 
 class EngineError(Exception):
@@ -146,12 +152,14 @@ class Registries:
     parallel: Registry = field(default_factory=lambda: Registry("parallel strategy"))
     models: Registry = field(default_factory=lambda: Registry("model architecture"))
     routing: Registry = field(default_factory=lambda: Registry("routing policy"))
+    grammar: Registry = field(default_factory=lambda: Registry("grammar backend"))
     serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
 
     def all(self) -> dict[str, Registry]:
         return {"attention": self.attention, "kv_dtypes": self.kv_dtypes,
                 "quantization": self.quantization, "policies": self.policies,
-                "parallel": self.parallel, "models": self.models, "routing": self.routing}
+                "parallel": self.parallel, "models": self.models, "routing": self.routing,
+                "grammar": self.grammar}
 
 
 def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
@@ -282,3 +290,22 @@ def resolve_parallel_strategy(regs: Registries, name: str, device) -> Entry:
     listed = ", ".join(f"{e.name} ({e.obj.device_type})" for e in regs.parallel) or "none"
     raise EngineError(f"no parallel strategy can run the ranks on this {device.type} "
                       f"(registered: {listed}); install a plugin that registers one.")
+
+
+def resolve_grammar_backend(regs: Registries, name: str) -> Entry | None:
+    """``--grammar-backend``: ``none`` (None: structured outputs off), ``auto`` (the usable
+    backend with the highest priority; None when none is installed), or a registered name that
+    can run here."""
+    if name == "none":
+        return None
+    if name == "auto":
+        usable = [e for e in regs.grammar if e.unavailable_reason(None) is None]
+        return max(usable, key=lambda e: e.extra.get("priority", 0), default=None)
+    entry = regs.grammar.get(name)
+    reason = entry.unavailable_reason(None)
+    if reason:
+        usable = [e.name for e in regs.grammar if e.unavailable_reason(None) is None]
+        raise BackendUnavailable(
+            f"grammar backend '{entry.name}' ({entry.origin}) is installed but unusable here: "
+            f"{reason}. Usable: {', '.join(usable) or 'none'} (or --grammar-backend none).")
+    return entry

@@ -31,6 +31,10 @@ class StepStats:
     gen_throughput: float | None = None  # set on steps that print the decode line
     cuda_graph: bool = False  # the step's forward replayed a captured CUDA graph
     totals: "Counters" = None
+    max_running_requests: int = 0  # the batch cap (--max-running-requests, or its default)
+    # what observers publish for this engine: /get_server_info shows each key (see the
+    # engine_started hook); the same dict every step of one engine, so it also tells engines apart
+    extra_info: dict = None
 
     @property
     def token_usage(self) -> float:
@@ -47,6 +51,7 @@ class Counters:
     retracted_reqs: int = 0
     finished_reqs: int = 0
     aborted_reqs: int = 0
+    prefill_oom_errors: int = 0  # steps whose forward ran out of memory with prompt chunks in it
     # recent latency samples, drained by exporters each step; bounded when nobody drains them
     ttft: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     e2e: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
@@ -98,3 +103,9 @@ class StatLogger:
                     f"--max-total-tokens to provide more KV cache memory. "
                     f"total_num_cumulative_preemption={self.preemptions + 1}")
             self.preemptions += 1
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's OutOfMemoryError, or an allocator's RuntimeError saying "out of memory"."""
+    return type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and "out of memory" in str(e).lower())

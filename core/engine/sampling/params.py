@@ -45,6 +45,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # structured output (SGLang's names; at most one): the output must match a JSON schema
+    # (as JSON text), a regex or an EBNF grammar; the engine's grammar backend enforces it
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +76,16 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+    def constraint(self):
+        """The output constraint these params ask for (an engine.interfaces.Constraint), or None."""
+        from engine.interfaces import Constraint
+
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return Constraint(name, value, name)
+        return None
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -132,6 +147,13 @@ class SamplingParams:
             _require(
                 "stop_token_ids", t >= 0, "must contain only token ids >= 0", self.stop_token_ids
             )
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(
+                given[1], f"{given[0]} and {given[1]} both constrain the output: give at most "
+                          f"one of {', '.join(CONSTRAINT_FIELDS)}")
+        for name in given:
+            _require(name, getattr(self, name) != "", "must not be empty", "")
         _require("n", self.n >= 1, "must be >= 1", self.n)
         _require(
             "top_logprobs",
@@ -157,6 +179,7 @@ _FLOAT_FIELDS = (
 )
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_int(value) -> bool:
@@ -175,6 +198,8 @@ def _check_type(name: str, value) -> None:
     elif name == "stop":
         ok = isinstance(value, list) and all(isinstance(s, str) for s in value)
         expected = "a string or a list of strings"
+    elif name in CONSTRAINT_FIELDS:
+        ok, expected = value is None or isinstance(value, str), "a string or null"
     elif name == "stop_token_ids":
         ok = isinstance(value, list) and all(_is_int(t) for t in value)
         expected = "a list of integers"

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar.bitmask import apply_token_bitmask
 from engine.sampling.params import SamplingParams
 from engine.sampling.penalties import (
     SeenTokens,
@@ -60,6 +61,9 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     seeded: list[tuple[int, torch.Generator]]  # sampled rows that draw from their own generator
     top_logprobs: list[int] | None  # per row: -1 = no logprobs, else how many top entries
+    # structured output: (rows [R] int64, bitmask [R, ceil(V/32)] int32 on the host) of the
+    # constrained rows; set by the scheduler after build() (engine.grammar.bitmask's layout)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -177,7 +181,8 @@ def top_k_top_p_min_p(
 class Sampler:
     """Picks one token per row of a step's logits, vectorized over the batch.
 
-    Order: penalties on the raw logits, the min_new_tokens ban, then argmax for greedy rows, and
+    Order: penalties on the raw logits, the min_new_tokens ban, the grammar mask (so a
+    constrained greedy row takes its best allowed token), then argmax for greedy rows, and
     temperature, top-k, top-p, min-p and an exponential race for the others.
     """
 
@@ -202,9 +207,10 @@ class Sampler:
 
     def penalize(self, logits: torch.Tensor, batch: SamplingBatch,
                  inplace: bool = False) -> torch.Tensor:
-        """Repetition, frequency and presence penalties, then the min_new_tokens ban (in a copy
-        unless ``inplace``)."""
-        if batch.repetition_index is None and batch.output_index is None and batch.banned is None:
+        """Repetition, frequency and presence penalties, the min_new_tokens ban, then the
+        grammar mask (in a copy unless ``inplace``)."""
+        if (batch.repetition_index is None and batch.output_index is None and batch.banned is None
+                and batch.allowed is None):
             return logits
         if not inplace or not logits.is_contiguous():
             logits = logits.clone(memory_format=torch.contiguous_format)
@@ -220,6 +226,9 @@ class Sampler:
             )
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
+        if batch.allowed is not None:
+            rows, bitmask = batch.allowed
+            apply_token_bitmask(logits, bitmask, None if rows.numel() == batch.size else rows)
         return logits
 
     def warp(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

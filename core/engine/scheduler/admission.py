@@ -32,6 +32,12 @@ class NewTokenRatio:
     def step(self) -> None:
         self.value = max(self.value - self.decay, self.min)
 
+    def finished(self, req) -> None:
+        """The fixed schedule learns nothing from finished requests (adaptive.py's does)."""
+
+    def observe(self, stats) -> None:
+        """Nor from a step's usage."""
+
     def after_retraction(self, running) -> tuple[float, float]:
         old = self.value
         total_max_new = sum(r.params.max_new_tokens for r in running)

@@ -25,12 +25,14 @@ class Req:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: Any = None  # the eos / stop token id or stop string that ended it
     generator: Any = None  # per-request torch.Generator when seeded
     group_leader: "Req | None" = None  # for n > 1: wait until the leader's prompt is cached
     detokenizer: Any = None  # set by whoever needs text while running (stop strings, streams)
     seen: Any = None  # SeenTokens for penalties, made by the scheduler at the first sampling
+    grammar: Any = None  # engine.grammar.RequestGrammar of a constrained request (own matcher)
+    error: str | None = None  # why it finished with reason "error"
     # KV state: written only by engine.scheduler.kv.KVManager (read by anyone)
     row: int | None = None  # row in kv_pool.req_to_token
     kv_len: int = 0  # tokens of seq whose K/V is in the pool

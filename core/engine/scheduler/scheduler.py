@@ -7,13 +7,16 @@ import time
 from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, SamplingBatch, token_stop_reason
 from engine.sampling.penalties import SeenTokens
-from engine.scheduler.admission import (NewTokenRatio, PrefillBudget, StepPrefill, Verdict,
+from engine.scheduler.adaptive import make_ratio
+from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
                                         prefix_in_flight, reserved_tokens, still_needed,
                                         waits_for_leader)
+from engine.scheduler.grammar import (StepMasks, admissible, advance, start_matchers,
+                                      wait_for_compiles)
 from engine.scheduler.kv import KVManager
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
-from engine.stats import Counters, StatLogger, StepStats
+from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
 
 
 class Scheduler:
@@ -24,12 +27,14 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.masks = StepMasks(vocab_size)  # structured outputs: the constrained rows' bitmask
+        self.ratio = make_ratio(config.schedule_conservativeness)  # a number, or "auto"
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.counters = Counters()
         self.log = StatLogger(config.decode_log_interval)
         self.on_step = on_step
+        self.extra_info: dict = {}  # observers' additions to /get_server_info
         self.step_no = 0
 
     # -- queue -----------------------------------------------------------------------------
@@ -62,6 +67,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward; returns the requests that got a token or finished this step."""
         self.step_no += 1
+        failed = self._fail_grammars()
         decodes = [r for r in self.running if not r.prefilling]
         retracted = self._make_room(decodes)
         if retracted:
@@ -69,7 +75,13 @@ class Scheduler:
         self.kv.grow_decodes(decodes)
         prefill = self._admit(len(decodes))
         ran = bool(decodes or prefill.chunks)
-        touched = self._run(decodes, prefill.chunks) if ran else []
+        try:
+            touched = self._run(decodes, prefill.chunks) if ran else []
+        except Exception as e:  # counted for observers (the advisor); the caller handles it
+            self.counters.prefill_oom_errors += bool(prefill.chunks and is_out_of_memory(e))
+            raise
+        if not ran:  # only requests whose grammar is compiling: wait for one, don't spin
+            wait_for_compiles(self.waiting)
         if decodes:
             self.ratio.step()
         mode = ("mixed" if prefill.chunks and decodes else
@@ -80,14 +92,17 @@ class Scheduler:
                           generated_tokens=sum(1 for r in touched if r.output_ids),
                           retracted_reqs=retracted,
                           finished_reqs=sum(1 for r in touched if r.finished),
-                          cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters)
+                          cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters,
+                          max_running_requests=self.sizing.max_running_requests,
+                          extra_info=self.extra_info)
+        self.ratio.observe(stats)
         if prefill.chunks:
             self.log.prefill(stats)
         elif decodes:
             self.log.decode(stats)
         if self.on_step:
             self.on_step(stats)
-        return touched
+        return failed + touched
 
     def _make_room(self, decodes: list[Req]) -> int:
         """Free slots for this step's decodes, retracting requests when the pool is short."""
@@ -178,7 +193,8 @@ class Scheduler:
             return hints[r]
 
         aware = self.cache_aware and self.kv.cache
-        return self.policy.order(list(self.waiting), prefix_len if aware else (lambda r: 0))
+        return self.policy.order(admissible(self.waiting),
+                                 prefix_len if aware else (lambda r: 0))
 
     # -- forward, sample, finish -----------------------------------------------------------------
     def _run(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> list[Req]:
@@ -211,7 +227,8 @@ class Scheduler:
             if r.first_token_time is None:
                 r.first_token_time = now
                 self.counters.ttft.append(now - r.created)
-            self._check_stop(r, token)
+            if r.grammar is None or not self._advance_grammar(r, token):
+                self._check_stop(r, token)
             finished = finished or r.finished
         self.counters.generation_tokens += len(rows)
         if finished:
@@ -226,6 +243,7 @@ class Scheduler:
                                     [r.output_ids for r in rows], [r.generator for r in rows],
                                     self.eos_ids, self.vocab_size, device=logits.device,
                                     seen=[r.seen for r in rows])
+        batch.allowed = self.masks.fill(rows)
         return self.sampler(logits, batch, overwrite=True)
 
     def _check_stop(self, r: Req, token: int) -> None:
@@ -240,6 +258,27 @@ class Scheduler:
         if reason == "length":
             self._release_finished(r, "length", None)
 
+    def _fail_grammars(self) -> list[Req]:
+        """Finish (reason "error") the waiting requests whose grammar failed to compile."""
+        failed = start_matchers(self.waiting)
+        for r in failed:
+            self.waiting.remove(r)
+            self._finish(r, "error")
+        return failed
+
+    def _advance_grammar(self, r: Req, token: int) -> bool:
+        """Advance ``r``'s matcher; True when that finished ``r``: "stop" when the grammar is
+        complete (before max_tokens), "error" when the backend rejected the token."""
+        verdict = advance(r, token)
+        if verdict is None:
+            return False
+        if verdict == "stop" and token_stop_reason(r.params, r.output_ids, self.eos_ids) != "stop":
+            if r.detokenizer is not None:
+                r.detokenizer.add([token])
+            token = None  # the grammar ended on a token with text, not on an EOS / stop id
+        self._release_finished(r, verdict, token if verdict == "stop" else None)
+        return True
+
     def _release_finished(self, r: Req, reason: str, matched) -> None:
         self.kv.release(r)
         r.matched_stop = matched
@@ -248,5 +287,6 @@ class Scheduler:
     def _finish(self, r: Req, reason: str) -> None:
         r.status, r.finish_reason = Status.FINISHED, reason
         r.finished_time = time.monotonic()
+        self.ratio.finished(r)
         self.counters.finished_reqs += 1
         self.counters.e2e.append(r.finished_time - r.created)

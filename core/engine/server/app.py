@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import hmac
 import logging
@@ -105,10 +106,17 @@ async def server_info(request: Request):
                 version=_version(), sizing=sizing.as_dict(), sizing_report=sizing.lines())
     if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
         info["parallel"] = engine.runner.info()
+    info["prefill_oom_errors"] = engine.scheduler.counters.prefill_oom_errors
     try:  # SGLang's key: one entry per engine (one here)
         info["internal_states"] = [await st.runtime.call(internal_state)]
     except EngineFailed as e:
         info["internal_states"] = [{"error": str(e)}]
+    try:  # what observers publish (they write on the engine thread: read it there)
+        extra = await st.runtime.call(lambda e: copy.deepcopy(e.scheduler.extra_info))
+    except EngineFailed:
+        extra = copy.deepcopy(engine.scheduler.extra_info)  # no loop left to write to it
+    for key, value in extra.items():
+        info.setdefault(key, value)  # never over the engine's own keys
     return JSONResponse(info)
 
 

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.server.body import read_model
+from engine.server.constraints import body_constraint, compile_first
 from engine.server.errors import bad_request
 from engine.server.handle import Handle
 from engine.server.openai import ChatCompletionRequest
@@ -68,7 +69,9 @@ async def create_chat_completion(request: Request):
     sampling = openai_sampling(body, max_new, body.logprobs, body.top_logprobs or 0)
     prepare = prepare_chat([_message(m) for m in body.messages], sampling,
                            body.add_generation_prompt, body.chat_template_kwargs)
-    items = [(Handle(body.stream, body.logprobs), prepare)]
+    constraint = body_constraint(body)
+    await compile_first(st, constraint)
+    items = [(Handle(body.stream, body.logprobs, constraint=constraint), prepare)]
     chat = _Chat(st, body)
     if body.stream:
         handles = await submit(st, items, OPENAI_NAMES)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.server.body import read_model
+from engine.server.constraints import body_constraint, compile_first
 from engine.server.handle import Handle
 from engine.server.openai import CompletionRequest
 from engine.server.prompt_logprobs import RETRY, prompt_logprobs
@@ -42,8 +43,10 @@ async def create_completion(request: Request):
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     top_n = body.logprobs
     sampling = openai_sampling(body, body.max_tokens, top_n is not None, top_n or 0)
-    items = [(Handle(body.stream, top_n is not None), prepare_prompt(x, sampling))
-             for x in prompts]
+    constraint = body_constraint(body)
+    await compile_first(st, constraint)
+    items = [(Handle(body.stream, top_n is not None, constraint=constraint),
+              prepare_prompt(x, sampling)) for x in prompts]
     c = _Completion(st, body, prompts)
     if body.stream:
         handles = await submit(st, items, RENAME)

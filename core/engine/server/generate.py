@@ -9,7 +9,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.sampling import SamplingParams
+from engine.sampling.params import CONSTRAINT_FIELDS
 from engine.server.body import read_model
+from engine.server.constraints import body_constraint, compile_first
 from engine.server.handle import Handle
 from engine.server.openai import GenerateRequest, GenerateSamplingParams
 from engine.server.serving import (
@@ -35,12 +37,15 @@ async def generate(request: Request):
     prompts = [given] if single else list(given)
     sp = body.sampling_params or GenerateSamplingParams()
     sampling = {k: getattr(sp, k) for k in GenerateSamplingParams.model_fields
-                if getattr(sp, k) is not None}
+                if getattr(sp, k) is not None and k not in CONSTRAINT_FIELDS}
     sampling.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if body.return_logprob:
         sampling.update(logprobs=True, top_logprobs=body.top_logprobs_num)
     rid = body.rid if len(prompts) == 1 else None
-    items = [(Handle(body.stream, rid=rid), prepare_prompt(p, sampling)) for p in prompts]
+    constraint = body_constraint(sp, prefix="sampling_params.")
+    await compile_first(st, constraint)
+    items = [(Handle(body.stream, rid=rid, constraint=constraint), prepare_prompt(p, sampling))
+             for p in prompts]
     n = sampling.get("n", 1)
     if body.stream:
         handles = await submit(st, items)

@@ -27,8 +27,10 @@ class Delta:
 class Handle:
     """One submitted prompt (``n`` engine requests) as the HTTP side sees it."""
 
-    def __init__(self, stream: bool = False, want_pieces: bool = False, rid: str | None = None):
+    def __init__(self, stream: bool = False, want_pieces: bool = False, rid: str | None = None,
+                 constraint=None):
         self.stream, self.want_pieces, self.rid = stream, want_pieces, rid
+        self.constraint = constraint  # engine.interfaces.Constraint, compiled before submit
         self.reqs: list = []  # filled on the engine thread before submit() returns
         self.prompt_ids: list[int] = []
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -79,3 +81,4 @@ def final_delta(engine, i: int, r) -> Delta:
 
 def _finish(delta: Delta, r, meta: dict) -> None:
     delta.finish_reason, delta.matched_stop, delta.meta = r.finish_reason, r.matched_stop, meta
+    delta.error = r.error  # finish reason "error": the request failed (a grammar's error)

@@ -17,6 +17,7 @@ from engine.server.app import build_app
 from engine.server.metrics import ServerMetrics
 from engine.server.runtime import EngineRuntime
 from engine.server.serving import ServerSettings
+from engine.server.trace import TraceRecorder
 
 logger = logging.getLogger("engine.server")
 
@@ -59,7 +60,8 @@ def build_server(engine, settings: ServerSettings, log_level: str = "info") -> G
     """The uvicorn server for ``engine`` (its ``runtime`` attribute is the engine loop); its
     ``run()`` serves until a signal (or ``should_exit``) stops it."""
     metrics = ServerMetrics(settings.served_model_name)
-    runtime = EngineRuntime(engine, metrics, engine.config.max_queued_requests)
+    trace = TraceRecorder(settings.record_trace) if settings.record_trace else None
+    runtime = EngineRuntime(engine, metrics, engine.config.max_queued_requests, trace)
     app = build_app(runtime, settings, metrics)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             access_log=log_level == "debug",

@@ -30,7 +30,39 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingFields(Body):
+class JsonSchemaFormat(Body):
+    """OpenAI's response_format.json_schema: the schema and its name."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class ConstraintFields(Body):
+    """Structured output (at most one): SGLang's json_schema / regex / ebnf and vLLM's
+    guided_* (engine.server.constraints turns them into one engine Constraint)."""
+
+    json_schema: NonEmpty | dict[str, Any] | None = None
+    regex: NonEmpty | None = None
+    ebnf: NonEmpty | None = None
+    guided_json: NonEmpty | dict[str, Any] | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    guided_grammar: NonEmpty | None = None
+
+
+class SamplingFields(ConstraintFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang/vLLM extras)."""
 
     model: str | None = None
@@ -51,6 +83,7 @@ class SamplingFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -100,6 +133,9 @@ class GenerateSamplingParams(Body):
     ignore_eos: bool | None = None
     n: int | None = Field(None, ge=1, le=MAX_N)
     skip_special_tokens: bool | None = None
+    json_schema: NonEmpty | None = None
+    regex: NonEmpty | None = None
+    ebnf: NonEmpty | None = None
 
 
 class GenerateRequest(Body):

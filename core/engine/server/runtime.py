@@ -39,9 +39,11 @@ class EngineFailed(Exception):
 
 
 class EngineRuntime:
-    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None):
+    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None,
+                 trace=None):
         self.engine = engine
         self.metrics = metrics
+        self.trace = trace  # TraceRecorder (--record-trace), or None
         self.max_queued = max_queued_requests
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
@@ -119,7 +121,8 @@ class EngineRuntime:
                 if params.max_new_tokens == 0:
                     continue
                 handle.reqs = engine.add_request(ids, params, rid=handle.rid,
-                                                 stream=handle.stream)
+                                                 stream=handle.stream,
+                                                 constraint=handle.constraint)
                 n = len(handle.reqs)
                 handle._sent_text, handle._sent_ids, handle._last = [0] * n, [0] * n, [None] * n
                 for i, r in enumerate(handle.reqs):
@@ -163,6 +166,8 @@ class EngineRuntime:
         self._closed = True
         message = self.failed or "the server is shutting down"
         self._fail_all(message, reason="error" if self.failed else "abort")
+        if self.trace is not None:
+            self.trace.close()
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._fail_pending, message)
 
@@ -256,6 +261,8 @@ class EngineRuntime:
             handle._last[i] = now
             if r.finished:
                 del self._live[r]
+                if self.trace is not None:
+                    self.trace.record(r)
             if handle.stream:
                 delta = stream_delta(self.engine, handle, i, r)
             elif r.finished:

@@ -28,6 +28,7 @@ class ServerSettings:
     api_key: str | None = None
     max_request_bytes: int = 32 << 20
     shutdown_grace_period: float = 30.0
+    record_trace: str | None = None  # JSONL file: a line per finished request
 
 
 @dataclass
