@@ -47,6 +47,23 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    """The tiny trained tokenizer, loaded as the engine loads one (a transformers tokenizer)."""
+    from engine.models.checkpoint import load_tokenizer_dir
+
+    return load_tokenizer_dir(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The default model's (SmolLM2's) tokenizer."""
+    from engine.models.checkpoint import open_checkpoint
+    from engine.models.default import default_model_path
+
+    return open_checkpoint(default_model_path()).load_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(case="llama", **config_overrides) -> path``: ``case`` is a name from
     ``engine.testing.TINY_CASES`` or an HF architecture; each distinct call is built once."""

@@ -8,38 +8,12 @@ import json
 import llguidance
 import llguidance.hf
 
+from engine.grammar.parsing import LABELS, check_kind, eos_token_id, parse_choices, parse_schema
 from engine.interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher
-
-LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex",
-          "ebnf": "EBNF grammar", "choice": "choice list"}
-
-
-def parse_choices(constraint: Constraint) -> list[str]:
-    try:
-        choices = json.loads(constraint.spec)
-    except ValueError as e:
-        raise GrammarError(f"choice list is not valid JSON: {e}", constraint.field) from None
-    if (not isinstance(choices, list) or not choices
-            or not all(isinstance(c, str) for c in choices)):
-        raise GrammarError(f"choice list must be a non-empty JSON list of strings, got "
-                           f"{constraint.spec[:80]}", constraint.field)
-    return choices
-
-
-def parse_schema(constraint: Constraint) -> str:
-    try:
-        schema = json.loads(constraint.spec)
-    except ValueError as e:
-        raise GrammarError(f"JSON schema is not valid JSON: {e}", constraint.field) from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"JSON schema must be a JSON object (or true/false), got "
-                           f"{type(schema).__name__}", constraint.field)
-    return constraint.spec
-
 
 def grammar_text(constraint: Constraint) -> str:
     """The constraint as llguidance's grammar definition (not checked yet)."""
-    kind = constraint.kind
+    kind = check_kind(constraint)
     if kind == "json_object":
         return llguidance.grammar_from("json_schema", '{"type": "object"}')
     if kind == "json_schema":
@@ -48,20 +22,13 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.grammar_from("regex", constraint.spec)
     if kind == "ebnf":  # GBNF, or Lark as llguidance reads it
         return llguidance.grammar_from("ebnf", constraint.spec)
-    if kind == "choice":  # an alternation of JSON-quoted literals, which Lark reads as strings
-        return llguidance.grammar_from("choice", json.dumps(parse_choices(constraint)))
-    raise GrammarError(f"unknown constraint kind '{kind}' (known: {', '.join(LABELS)})",
-                       constraint.field)
+    # choice: an alternation of JSON-quoted literals, which Lark reads as strings
+    return llguidance.grammar_from("choice", json.dumps(parse_choices(constraint)))
 
 
 class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int):
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError("grammar backend 'llguidance' needs the tokenizer's EOS token to "
-                             "end a constrained output, and this tokenizer has none; pass "
-                             "--tokenizer with one that defines eos_token, or "
-                             "--grammar-backend none")
+        eos = eos_token_id(tokenizer, "llguidance")
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                           eos_token=eos)

@@ -8,10 +8,9 @@ import re
 
 import xgrammar as xgr
 
+from engine.grammar.parsing import LABELS, check_kind, eos_token_id, parse_choices, parse_schema
 from engine.interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher
 
-LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex",
-          "ebnf": "EBNF grammar", "choice": "choice list"}
 # xgrammar's C++ errors start with "[22:06:48] /project/cpp/regex_converter.cc:83: " and its
 # checks with "Check failed: (error.empty()) is false: ": neither helps the user
 _NOISE = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -22,31 +21,6 @@ def clean(error: Exception) -> str:
     return text.split(" The JSON string is:")[0]  # xgrammar echoes the whole schema back
 
 
-def parse_choices(constraint: Constraint) -> list[str]:
-    try:
-        choices = json.loads(constraint.spec)
-    except ValueError as e:
-        raise GrammarError(f"choice list is not valid JSON: {e}", constraint.field) from None
-    if (not isinstance(choices, list) or not choices
-            or not all(isinstance(c, str) for c in choices)):
-        raise GrammarError(f"choice list must be a non-empty JSON list of strings, got "
-                           f"{constraint.spec[:80]}", constraint.field)
-    return choices
-
-
-def parse_schema(constraint: Constraint) -> str:
-    """The schema text, refused here when it is not JSON (xgrammar's own message would quote
-    the whole text back) or not a schema at all."""
-    try:
-        schema = json.loads(constraint.spec)
-    except ValueError as e:
-        raise GrammarError(f"JSON schema is not valid JSON: {e}", constraint.field) from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"JSON schema must be a JSON object (or true/false), got "
-                           f"{type(schema).__name__}", constraint.field)
-    return constraint.spec
-
-
 def clear_padding(bitmask, row: int, vocab_size: int) -> None:
     """xgrammar sets the last word's bits past ``vocab_size``: ids that do not exist."""
     if vocab_size % 32:
@@ -55,12 +29,7 @@ def clear_padding(bitmask, row: int, vocab_size: int) -> None:
 
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int):
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError("grammar backend 'xgrammar' needs the tokenizer's EOS token to end "
-                             "a constrained output, and this tokenizer has none; pass "
-                             "--tokenizer with one that defines eos_token, or "
-                             "--grammar-backend none")
+        eos = eos_token_id(tokenizer, "xgrammar")
         self.vocab_size, self.eos = vocab_size, eos
         detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                       stop_token_ids=[eos])
@@ -77,10 +46,7 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        kind = constraint.kind
-        if kind not in LABELS:
-            raise GrammarError(f"unknown constraint kind '{kind}' (known: "
-                               f"{', '.join(LABELS)})", constraint.field)
+        kind = check_kind(constraint)
         try:
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
