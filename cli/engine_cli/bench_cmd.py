@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from engine_cli.options import EngineCommand, engine_options, split_options
+from engine_cli.options import EngineCommand, engine_options, given, split_options
 
 DATASETS = ("random", "generated-shared-prefix", "shared-prefix", "sharegpt", "trace")
 WORKLOAD_FLAGS = ("dataset_name", "dataset_path", "num_prompts", "random_input_len",
@@ -104,22 +104,29 @@ def bench_offline(**kwargs):
     _run(bench, config["seed"], config)
 
 
-def _run(opts: dict, seed: int, target, **extra) -> None:
-    from engine.bench import Workload, format_table, run_bench
-    from engine.bench.plot import write_plot
-    from engine.registry import EngineError
+def workload_from(ctx: click.Context, opts: dict, seed: int):
+    """The Workload of the workload flags in ``opts``; a flag the dataset does not read is an
+    error, not ignored."""
+    from engine.bench import Workload
 
-    ctx = click.get_current_context()
     name = "generated-shared-prefix" if opts["dataset_name"] == "shared-prefix" \
         else opts["dataset_name"]
     stray = [f"--{k.replace('_', '-')}" for k in WORKLOAD_FLAGS[1:]
-             if k not in APPLIES[name] and _given(ctx, k)]
+             if k not in APPLIES[name] and given(ctx, k)]
     if stray:
         raise click.UsageError(f"{', '.join(stray)}: --dataset-name {name} does not read "
                                f"{'it' if len(stray) == 1 else 'them'}; drop "
                                f"{'it' if len(stray) == 1 else 'them'}.")
-    given = {k: opts[k] for k in WORKLOAD_FLAGS if opts[k] is not None}
-    workload = Workload(**{**given, "dataset_name": name, "seed": seed})
+    chosen = {k: opts[k] for k in WORKLOAD_FLAGS if opts[k] is not None}
+    return Workload(**{**chosen, "dataset_name": name, "seed": seed})
+
+
+def _run(opts: dict, seed: int, target, **extra) -> None:
+    from engine.bench import format_table, run_bench
+    from engine.bench.plot import write_plot
+    from engine.registry import EngineError
+
+    workload = workload_from(click.get_current_context(), opts, seed)
     progress = not (opts["json_out"] or opts["disable_tqdm"]) and sys.stderr.isatty()
     try:
         result = run_bench(target, workload, max_concurrency=opts["max_concurrency"],
@@ -135,8 +142,3 @@ def _run(opts: dict, seed: int, target, **extra) -> None:
     if result.failed:
         raise click.ClickException(f"{result.failed} of {result.failed + result.completed} "
                                    f"requests failed (first errors above).")
-
-
-def _given(ctx: click.Context, name: str) -> bool:
-    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
-                                                  click.core.ParameterSource.DEFAULT_MAP)

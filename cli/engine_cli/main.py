@@ -10,6 +10,7 @@ from engine_cli.doctor_cmd import doctor_command
 from engine_cli.generate_cmd import generate_command
 from engine_cli.plugins_cmd import plugins_command
 from engine_cli.serve_cmd import serve_command
+from engine_cli.tune_cmd import tune_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,5 +24,6 @@ cli.add_command(serve_command)
 cli.add_command(generate_command)
 cli.add_command(doctor_command)
 cli.add_command(bench_command)
+cli.add_command(tune_command)
 
 load_plugins().hook.register_commands(cli=cli)

@@ -100,6 +100,12 @@ class EngineCommand(click.Command):
         return super().get_params(ctx)
 
 
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was set on the command line (not left to its default)."""
+    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT,
+                                                  click.core.ParameterSource.DEFAULT_MAP)
+
+
 def split_options(kwargs: dict, plugin_dests: dict, other: tuple[str, ...]) -> tuple[dict, dict]:
     """(EngineConfig kwargs with plugin_options filled, the ``other`` command's own kwargs)."""
     kwargs = dict(kwargs)

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from engine_cli.options import EngineCommand, RegistryChoice, engine_options, split_options
+from engine_cli.options import EngineCommand, RegistryChoice, engine_options, given, split_options
 
 SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
                 "max_request_bytes", "shutdown_grace_period", "record_trace")
@@ -63,9 +63,9 @@ def serve_command(**kwargs):
                                    "(each its own `engine serve --nnodes ...`) instead.")
         _serve_dp(ctx, kwargs)
         return
-    given = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[1:] if _given(ctx, k)]
-    if given:
-        raise click.UsageError(f"{', '.join(given)} only apply with --dp-size > 1 (the router "
+    router_only = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[1:] if given(ctx, k)]
+    if router_only:
+        raise click.UsageError(f"{', '.join(router_only)} only apply with --dp-size > 1 (the router "
                                f"of the replicas); drop them or give --dp-size.")
     for k in ROUTER_FLAGS:
         kwargs.pop(k)
@@ -100,18 +100,13 @@ def _serve_node(config: dict, log_level: str) -> None:
         raise click.ClickException(str(e)) from None
 
 
-def _given(ctx: click.Context, name: str) -> bool:
-    source = ctx.get_parameter_source(name)
-    return source not in (None, click.core.ParameterSource.DEFAULT,
-                          click.core.ParameterSource.DEFAULT_MAP)
-
 
 def replica_args(ctx: click.Context) -> list[str]:
     """The command line of one replica: every flag given to this command but the front's."""
     args: list[str] = []
     for param in ctx.command.get_params(ctx):
         name = param.name
-        if not isinstance(param, click.Option) or name in FRONT_ONLY or not _given(ctx, name):
+        if not isinstance(param, click.Option) or name in FRONT_ONLY or not given(ctx, name):
             continue
         value = ctx.params[name]
         if param.is_flag and param.secondary_opts:
@@ -134,7 +129,7 @@ def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
     config, server = split_options(kwargs, ctx.command.plugin_dests, SERVER_FLAGS)
     router = {k: config.pop(k) for k in ROUTER_FLAGS}
     if router["router_policy"] in ("round_robin", "shortest_queue"):
-        unused = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[2:] if _given(ctx, k)]
+        unused = [f"--{k.replace('_', '-')}" for k in ROUTER_FLAGS[2:] if given(ctx, k)]
         if unused:
             raise click.UsageError(f"{', '.join(unused)}: only cache_aware uses them, not "
                                    f"--router-policy {router['router_policy']}; drop them.")
