@@ -154,6 +154,13 @@ ENGINE_OPTIONS = [
     click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
     click.option("--disable-radix-cache", is_flag=True, help="No prefix sharing."),
     click.option("--decode-log-interval", default=_D.decode_log_interval, type=int),
+    click.option("--enable-overlap-schedule", "--enable-overlap-scheduler",
+                 "enable_overlap_schedule", is_flag=True,
+                 help="Prepare the next batch (admission, KV, batch tensors, grammar masks) "
+                      "while the model runs this one; same outputs. Off by default: on a CPU "
+                      "both threads share the cores."),
+    click.option("--disable-overlap-schedule", is_flag=True,
+                 help="SGLang's switch for the overlap scheduler; off is already the default."),
     click.option("--enable-torch-compile", is_flag=True,
                  help="Compile the decoder with torch.compile (inductor) for forwards of up to "
                       "--torch-compile-max-bs tokens; bigger ones stay eager."),

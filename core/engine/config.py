@@ -37,6 +37,11 @@ class EngineConfig:
     disable_radix_cache: bool = False
     decode_log_interval: int = 40
     max_queued_requests: int | None = None
+    # SGLang's overlap scheduler: the next batch is prepared while the model runs this one
+    # (off by default here: on a CPU both threads share the cores); disable_... is SGLang's
+    # spelling of the default
+    enable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool = False
     # torch.compile of the decoder stack for forwards of up to torch_compile_max_bs tokens
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
@@ -112,6 +117,12 @@ class EngineConfig:
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         self._check_parallel(need)
+        need(not (self.enable_overlap_schedule and self.disable_overlap_schedule),
+             "--enable-overlap-schedule and --disable-overlap-schedule contradict each other; "
+             "give one of them (off is the default).")
+        need(not self.enable_overlap_schedule or self.tp_size * self.pp_size == 1,
+             "--enable-overlap-schedule with --tp-size or --pp-size > 1 is not supported yet; "
+             "drop one of them.")
         need(isinstance(self.grammar_backend, str) and bool(self.grammar_backend),
              f"--grammar-backend must be auto, none or a grammar backend's name, got "
              f"{self.grammar_backend!r}")

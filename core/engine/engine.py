@@ -137,6 +137,10 @@ class Engine:
             policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
             mc.vocab_size, on_step=lambda stats: call_observers(pm.hook.step_finished,
                                                                  stats=stats))
+        if config.enable_overlap_schedule:  # a model-worker thread (scheduler/overlap.py)
+            from engine.scheduler.overlap import OverlapSchedule
+
+            self.scheduler.overlap = OverlapSchedule(self.scheduler)
         for note in ckpt.notes:
             logger.info(note)
         logger.info(f"model {self.model_name} ({ckpt.path}): {mc.architecture}, "
@@ -148,7 +152,8 @@ class Engine:
             logger.info(f"quantization: {quant_entry.name} ({quant_entry.origin}), {how}")
         logger.info(f"attention backend: {attn_entry.name} ({attn_entry.origin}); "
                     f"schedule policy: {policy_entry.name}; radix cache: "
-                    f"{'disabled' if cache is None else 'enabled'}")
+                    f"{'disabled' if cache is None else 'enabled'}; overlap schedule: "
+                    f"{'on' if config.enable_overlap_schedule else 'off'}")
         logger.info(self._grammar_line())
         for line in self.sizing.lines():
             logger.info(line)
@@ -304,7 +309,10 @@ class Engine:
         return getattr(self.runner, "failure", None)
 
     def close(self) -> None:
-        """Stop the tp/pp workers, if any (the engine cannot step afterwards)."""
+        """Stop the tp/pp workers and the overlap worker, if any (the engine cannot step
+        afterwards)."""
+        if self.scheduler.overlap is not None:
+            self.scheduler.overlap.close()
         close = getattr(self.runner, "close", None)
         if self.parallel is not None and close is not None:
             close()

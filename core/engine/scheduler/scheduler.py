@@ -36,6 +36,7 @@ class Scheduler:
         self.on_step = on_step
         self.extra_info: dict = {}  # observers' additions to /get_server_info
         self.step_no = 0
+        self.overlap = None  # an OverlapSchedule with --enable-overlap-schedule
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -67,6 +68,12 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward; returns the requests that got a token or finished this step."""
         self.step_no += 1
+        if self.overlap is not None:  # --enable-overlap-schedule (scheduler/overlap.py)
+            return self.overlap.step()
+        return self.sync_step()
+
+    def sync_step(self) -> list[Req]:
+        """Plan, forward, sample and finish one batch, all before returning."""
         failed = self._fail_grammars()
         decodes = [r for r in self.running if not r.prefilling]
         retracted = self._make_room(decodes)
@@ -82,6 +89,12 @@ class Scheduler:
             raise
         if not ran:  # only requests whose grammar is compiling: wait for one, don't spin
             wait_for_compiles(self.waiting)
+        self.report(decodes, prefill, retracted, touched, ran)
+        return failed + touched
+
+    def report(self, decodes: list[Req], prefill: StepPrefill, retracted: int,
+               touched: list[Req], ran: bool) -> None:
+        """The step's stats: ratio decay, log lines, observers."""
         if decodes:
             self.ratio.step()
         mode = ("mixed" if prefill.chunks and decodes else
@@ -102,7 +115,6 @@ class Scheduler:
             self.log.decode(stats)
         if self.on_step:
             self.on_step(stats)
-        return failed + touched
 
     def _make_room(self, decodes: list[Req]) -> int:
         """Free slots for this step's decodes, retracting requests when the pool is short."""
@@ -193,28 +205,45 @@ class Scheduler:
             return hints[r]
 
         aware = self.cache_aware and self.kv.cache
-        return self.policy.order(admissible(self.waiting),
-                                 prefix_len if aware else (lambda r: 0))
+        # a grammar that compiled after this step's start_matchers waits for the next step
+        ready = [r for r in admissible(self.waiting)
+                 if r.grammar is None or r.grammar.matcher is not None]
+        return self.policy.order(ready, prefix_len if aware else (lambda r: 0))
 
     # -- forward, sample, finish -----------------------------------------------------------------
     def _run(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> list[Req]:
         """One forward over the decodes and the prompt chunks (in that order); samples a token
         for every request whose K/V then covers its whole sequence."""
-        table = self.kv.pool.req_to_token
         reqs = decodes + [r for r, _ in chunks]
-        batch = ForwardBatch.build([r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]
-                                   + [r.tokens(r.kv_len, r.kv_len + n) for r, n in chunks],
-                                   [r.kv_len for r in reqs], [r.row for r in reqs], None, table,
-                                   device=table.device)
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(self.forward_batch(decodes, chunks))
         self.kv.computed(decodes, chunks)
         sample = [i for i, r in enumerate(reqs) if r.kv_len == r.seq_len]
         if not sample:
             return []
         rows = reqs if len(sample) == len(reqs) else [reqs[i] for i in sample]
-        out = self._sample(logits if len(sample) == len(reqs) else logits[sample], rows)
+        out = self.sample(logits, sample, rows)
         tokens = out.next_token_ids.tolist()  # the step's one device sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        return self.commit(rows, tokens, logprobs, out.top_logprobs)
+
+    def forward_batch(self, decodes: list[Req], chunks: list[tuple[Req, int]],
+                      decode_ids: list[list[int]] | None = None) -> ForwardBatch:
+        """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks."""
+        table = self.kv.pool.req_to_token
+        reqs = decodes + [r for r, _ in chunks]
+        if decode_ids is None:
+            decode_ids = [r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]
+        return ForwardBatch.build(decode_ids + [r.tokens(r.kv_len, r.kv_len + n)
+                                                for r, n in chunks],
+                                  [r.kv_len for r in reqs], [r.row for r in reqs], None, table,
+                                  device=table.device)
+
+    def sample(self, logits, sample: list[int], rows: list[Req]):
+        """Sample the logits rows ``sample`` (those of requests ``rows``)."""
+        return self._sample(logits if len(sample) == logits.shape[0] else logits[sample], rows)
+
+    def commit(self, rows: list[Req], tokens: list[int], logprobs, top_logprobs) -> list[Req]:
+        """Append each row's sampled token; stop checks, grammar, finishing. Returns ``rows``."""
         now = time.monotonic()
         finished = False
         for j, r in enumerate(rows):
@@ -222,8 +251,8 @@ class Scheduler:
             r.append_token(token)
             if logprobs is not None and r.params.logprobs:
                 r.output_logprobs.append(logprobs[j])
-                if out.top_logprobs is not None:
-                    r.output_top_logprobs.append(out.top_logprobs[j])
+                if top_logprobs is not None:
+                    r.output_top_logprobs.append(top_logprobs[j])
             if r.first_token_time is None:
                 r.first_token_time = now
                 self.counters.ttft.append(now - r.created)

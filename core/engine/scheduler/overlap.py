@@ -1,0 +1,208 @@
+"""The overlap scheduler (--enable-overlap-schedule, SGLang's): a model-worker thread runs batch
+N's forward while the scheduler thread prepares batch N+1 (admission, KV growth, batch
+tensors); the scheduler waits only for batch N's sampled tokens.
+
+Outputs are those of the synchronous scheduler, because:
+- a decode row whose token is still being sampled in the previous batch carries a placeholder
+  that the worker fills in from that batch's tokens before the forward;
+- the worker samples a batch only after the scheduler has processed the previous one (tokens
+  appended, stop checks, grammar advanced), so penalties, grammar masks and seeded generators
+  see exactly what they would see synchronously; rows of requests that finished (or were
+  aborted) meanwhile are computed and discarded, never sampled;
+- a request in flight is never retracted: when the pool is short for the decodes, the
+  in-flight batch is drained and a synchronous step runs (it retracts as usual).
+A request whose pending token is its last (max_new_tokens) gets no extra row.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.scheduler.admission import StepPrefill
+from engine.scheduler.grammar import wait_for_compiles
+from engine.scheduler.request import Req, Status
+from engine.stats import is_out_of_memory
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted batch: the scheduler fills the first fields, the worker the rest."""
+
+    reqs: list[Req]
+    batch: ForwardBatch
+    sample: list[int]  # indices in reqs of the rows to sample (if still running by then)
+    placeholders: list[tuple[int, Req]]  # (index in input_ids, request whose token goes there)
+    prev: "Job | None"
+    chunks: bool  # the batch holds prompt chunks (for the prefill OOM counter)
+    done: threading.Event = field(default_factory=threading.Event)  # worker: sampled
+    processed: threading.Event = field(default_factory=threading.Event)  # scheduler: committed
+    rows: list[Req] = field(default_factory=list)  # the rows sampled
+    position: dict = field(default_factory=dict)  # request -> index in rows
+    next_ids: torch.Tensor | None = None  # the sampled tokens (device)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None
+    error: BaseException | None = None
+
+    @property
+    def sampled(self) -> set[Req]:
+        return {self.reqs[i] for i in self.sample}
+
+
+class OverlapSchedule:
+    """The overlapped step of one Scheduler, and its model-worker thread."""
+
+    def __init__(self, scheduler):
+        self.s = scheduler
+        self.inflight: Job | None = None  # submitted, results not processed yet
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="overlap-worker", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Drain and stop the worker thread (the engine cannot step afterwards)."""
+        if self._thread.is_alive():
+            self._settle()
+            self._jobs.put(None)
+            self._thread.join()
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        s, prev = self.s, self.inflight
+        pending = prev.sampled if prev is not None else set()
+        decodes = [r for r in s.running if not r.prefilling
+                   and not (r in pending and r.remaining_new_tokens <= 1)]
+        if not s.kv.ensure_free(s.kv.decode_slots_needed(decodes)):
+            # retract only with nothing in flight: drain it, then a synchronous step
+            return self.drain() + s.sync_step()
+        failed = s._fail_grammars()
+        s.kv.grow_decodes(decodes)
+        prefill = s._admit(len(decodes))
+        job = self._submit(decodes, prefill, pending) if decodes or prefill.chunks else None
+        self.inflight = job
+        try:
+            touched = self._collect(prev) if prev is not None else []
+        except Exception as e:
+            s.counters.prefill_oom_errors += bool(prev.chunks and is_out_of_memory(e))
+            self._fail(e)
+            raise
+        if job is None and prev is None:  # only compiling grammars: wait for one, don't spin
+            wait_for_compiles(s.waiting)
+        s.report(decodes, prefill, 0, touched, job is not None)
+        return failed + touched
+
+    def drain(self) -> list[Req]:
+        """Process the in-flight batch's results now; returns the requests they touched."""
+        prev, self.inflight = self.inflight, None
+        if prev is None:
+            return []
+        try:
+            return self._collect(prev)
+        except Exception as e:
+            self._fail(e)
+            raise
+
+    def _submit(self, decodes: list[Req], prefill: StepPrefill, pending: set[Req]) -> Job:
+        s = self.s
+        ids, placeholders = [], []
+        for i, r in enumerate(decodes):
+            if r in pending:  # its token is being sampled: the worker fills it in
+                placeholders.append((i, r))
+                ids.append([0])
+            else:
+                ids.append(r.tokens(r.kv_len, r.kv_len + 1))
+        batch = s.forward_batch(decodes, prefill.chunks, ids)
+        s.kv.computed(decodes, prefill.chunks)  # the forward will have written them
+        n = len(decodes)
+        sample = list(range(n)) + [n + k for k, (r, _) in enumerate(prefill.chunks)
+                                   if r.kv_len == r.seq_len]
+        job = Job(decodes + [r for r, _ in prefill.chunks], batch, sample, placeholders,
+                  self.inflight, bool(prefill.chunks))
+        self._jobs.put(job)
+        return job
+
+    def _collect(self, job: Job) -> list[Req]:
+        """Wait for ``job``'s tokens (the step's only wait) and commit those of the requests
+        still running (one aborted meanwhile drops its token)."""
+        job.done.wait()
+        try:
+            if job.error is not None:
+                raise job.error
+            keep = [j for j, r in enumerate(job.rows) if r.status is Status.RUNNING]
+            if not keep:
+                return []
+
+            def pick(xs):
+                return xs if xs is None or len(keep) == len(job.rows) else [xs[j] for j in keep]
+
+            return self.s.commit(pick(job.rows), pick(job.tokens), pick(job.logprobs),
+                                 pick(job.top_logprobs))
+        finally:
+            job.processed.set()
+
+    def _fail(self, e: Exception) -> None:
+        """A batch failed: the batches after it were built on its results (K/V counted as
+        written, prompt pages cached), so every running request fails (reason "error") and
+        the prefix cache is emptied; waiting requests hold nothing and stay queued."""
+        s = self.s
+        self._settle()
+        for r in s.running:
+            s.kv.retract(r)
+            r.error = f"the model forward failed: {type(e).__name__}: {e}"
+            s._finish(r, "error")
+        s.running = []
+        if s.kv.cache is not None:
+            s.kv.cache.flush()
+
+    def _settle(self) -> None:
+        """After a failure (or to stop): let the submitted batch finish and drop it."""
+        job, self.inflight = self.inflight, None
+        if job is not None:
+            job.processed.set()  # nobody will commit it
+            job.done.wait()
+
+    # -- the worker thread -----------------------------------------------------------------------
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._run(job)
+            except BaseException as e:  # handed to the scheduler thread, which raises it
+                job.error = e
+            finally:
+                job.prev = None  # done with it (and no chain of every batch ever run)
+                job.done.set()
+
+    def _run(self, job: Job) -> None:
+        prev = job.prev
+        if prev is not None and prev.error is not None:
+            raise RuntimeError(f"the previous batch failed: {prev.error}")
+        if job.placeholders:
+            dst, src = [], []
+            for i, r in job.placeholders:
+                j = prev.position.get(r)
+                if j is not None:  # else not sampled (finished or aborted): a discarded row
+                    dst.append(i)
+                    src.append(j)
+            if dst:
+                ids = job.batch.input_ids
+                ids[torch.tensor(dst, device=ids.device)] = prev.next_ids[
+                    torch.tensor(src, device=prev.next_ids.device)].to(ids.device, ids.dtype)
+        logits = self.s.runner.forward(job.batch)
+        if prev is not None:  # the previous batch's tokens appended, its finished known
+            prev.processed.wait()
+        sample = [i for i in job.sample if job.reqs[i].status is Status.RUNNING]
+        if not sample:
+            return
+        rows = [job.reqs[i] for i in sample]
+        out = self.s.sample(logits, sample, rows)
+        job.next_ids = out.next_token_ids
+        job.tokens = out.next_token_ids.tolist()  # the worker's device sync
+        job.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        job.top_logprobs = out.top_logprobs
+        job.position = {r: k for k, r in enumerate(rows)}
+        job.rows = rows
