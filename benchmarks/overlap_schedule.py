@@ -24,6 +24,7 @@ import time
 import torch
 from bench_models import add_model_option, resolve
 from bench_models import name as model_name
+from scheduler_overhead import Timer
 
 from engine import Engine
 from engine.testing import make_tiny_model
@@ -37,20 +38,6 @@ def workload(n: int, vocab: int, prompt_len: int, max_new: int, seed: int = 0):
                "frequency_penalty": 0.2, "max_new_tokens": rng.randint(max_new // 4, max_new)}
               for _ in range(n)]
     return prompts, params
-
-
-class Timer:
-    """Wraps a callable and adds the seconds spent in it to ``total``."""
-
-    def __init__(self, fn):
-        self.fn, self.total = fn, 0.0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.total += time.perf_counter() - start
 
 
 def run(engine, prompts, params) -> tuple[list, dict]:

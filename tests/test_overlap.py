@@ -14,6 +14,7 @@ import pytest
 
 from engine import Engine
 from engine.config import ConfigError
+from engine.testing import assert_all_free
 from engine.interfaces import Constraint
 from engine.testing import ServerProcess
 
@@ -36,15 +37,6 @@ def ids(seed, n, vocab=500):
 
 def make(model, overlap: bool, **kw):
     return Engine(model, **{"max_total_tokens": 4000, "enable_overlap_schedule": overlap, **kw})
-
-
-def assert_all_free(engine):
-    s = engine.scheduler
-    assert not s.running and not s.waiting
-    s.check_invariants()
-    assert engine.flush_cache() or s.kv.cache is None
-    assert s.kv.pool.free_slots == s.kv.pool.size
-    assert s.kv.pool.free_reqs == s.kv.pool.max_reqs
 
 
 def both(model, prompts, params, **kw):

@@ -8,6 +8,7 @@ import pytest
 
 from engine import Engine
 from engine.engine import RequestError
+from engine.testing import assert_all_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -30,15 +31,6 @@ def run_all(engine, prompts, max_new):
     outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
     engine.scheduler.check_invariants()
     return [o["output_ids"] for o in outs]
-
-
-def assert_all_free(engine):
-    s = engine.scheduler
-    assert not s.running and not s.waiting
-    s.check_invariants()
-    assert engine.flush_cache() or s.kv.cache is None
-    assert s.kv.pool.free_slots == s.kv.pool.size
-    assert s.kv.pool.free_reqs == s.kv.pool.max_reqs
 
 
 def test_random_workload_keeps_slot_invariant(model):

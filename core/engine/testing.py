@@ -466,3 +466,14 @@ class InProcessServer:
         self.server.should_exit = True
         self._thread.join(30)
         self._socket.close()
+
+
+def assert_all_free(engine) -> None:
+    """Nothing queued or running, the slot accounting consistent, and (once the prefix cache
+    is flushed) every KV slot and request row free again."""
+    s = engine.scheduler
+    assert not s.running and not s.waiting
+    s.check_invariants()
+    assert engine.flush_cache() or s.kv.cache is None
+    assert s.kv.pool.free_slots == s.kv.pool.size
+    assert s.kv.pool.free_reqs == s.kv.pool.max_reqs
