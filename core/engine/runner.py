@@ -132,23 +132,18 @@ class ModelRunner:
         ``return_all_logits``). A pipeline stage (``pp``) after the first takes the previous
         stage's ``hidden`` [T, hidden_size]; one before the last returns its own."""
         assert self.backend is not None, "call init_kv_pool() before forward()"
-        if self.pp is not None:
-            with torch.inference_mode():
-                self.backend.init_forward_metadata(batch)
-                with forward_context(self.backend, batch):
-                    out = self.model(batch, return_all_logits, hidden=hidden)
-            return out.float() if self.pp.is_last else out
-        graphs = self.cuda_graphs
+        graphs = self.cuda_graphs  # never captured with pp (a stage waits on another rank)
         self.last_cuda_graph = (graphs is not None and not return_all_logits
                                 and graphs.can_run(batch))
         if self.last_cuda_graph:
             with torch.inference_mode():
                 return graphs.replay(batch).float()
+        stage = {} if self.pp is None else {"hidden": hidden}
         with torch.inference_mode():
             self.backend.init_forward_metadata(batch)
             with forward_context(self.backend, batch):
-                logits = self.model(batch, return_all_logits)
-        return logits.float()
+                out = self.model(batch, return_all_logits, **stage)
+        return out.float() if self.is_last_stage else out
 
 
 def build_runner(config, checkpoint, registries, device, attn_entry, kv_entry, quant_entry,

@@ -101,16 +101,15 @@ def _join(strategy, rank: int, world: int, store, timeout_s: int, describe_local
     return failed[0] if failed else None
 
 
-def spawn_local_ranks(config, topo: Topology, ranks, host: str, port: int,
-                      resolved: dict, log_level: str) -> dict[int, subprocess.Popen]:
+def spawn_local_ranks(config, ranks, host: str, port: int, resolved: dict,
+                      log_level: str) -> dict[int, subprocess.Popen]:
     """Start ``ranks`` of this node as worker processes; they inherit stdout and stderr."""
     spec = {"config": asdict(config), "host": host, "port": port, "resolved": resolved,
             "log_level": log_level}
     procs = {}
     for rank in ranks:
-        env = dict(os.environ, ENGINE_RANK=str(rank), ENGINE_LOCAL_RANK=str(rank % topo.per_node))
         procs[rank] = subprocess.Popen(
-            [sys.executable, *WORKER_COMMAND, str(rank), json.dumps(spec)], env=env)
+            [sys.executable, *WORKER_COMMAND, str(rank), json.dumps(spec)])
     return procs
 
 
@@ -155,7 +154,7 @@ def start_rank0(config, checkpoint, model_config, regs, device, strategy, entrie
     store.set("resolved", json.dumps(resolved))
     rendezvous.agree_nodes(store, topo, agreed, config.dist_timeout, addr)
     level = logging.getLevelName(logging.getLogger("engine").getEffectiveLevel())
-    procs = spawn_local_ranks(config, topo, [r for r in topo.local_ranks if r != 0], host, port,
+    procs = spawn_local_ranks(config, [r for r in topo.local_ranks if r != 0], host, port,
                               resolved, level)
     logger.info(f"parallel: {topo.world} ranks (tp {topo.tp} x pp {topo.pp}) over "
                 f"{topo.nnodes} node(s), meeting at {addr}; started local ranks "
@@ -194,7 +193,7 @@ def serve_node(config, log_level: str = "info") -> None:
     resolved = json.loads(store.get("resolved"))
     config.attention_backend, config.page_size = resolved["attention"], resolved["page_size"]
     first, *others = topo.local_ranks
-    procs = spawn_local_ranks(config, topo, others, host, port, resolved, log_level)
+    procs = spawn_local_ranks(config, others, host, port, resolved, log_level)
     logger.info(f"node {topo.node_rank}: ranks {list(topo.local_ranks)} of {topo.world} "
                 f"joining node 0 at {addr}")
     try:
