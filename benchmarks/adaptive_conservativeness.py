@@ -5,16 +5,19 @@ early (here: greedy decoding that stops at the first token of a fixed random sto
 stand-in for EOS with random weights, so most outputs are a few dozen tokens and a few run
 long). Each setting serves the same requests on the same pool; printed per setting: mean token
 usage over the steps with requests waiting (the guide's "token usage < 0.9 with #queue-req > 0"),
+that mean in each quarter of those steps (the first quarter holds the start, when the pool fills
+and ``auto`` has seen nothing finish; the last ones are its steady state),
 generation throughput (each setting runs twice and the second run counts), steps and tokens
 per step (the throughput a busy shared machine cannot blur: every step is one forward),
 retractions, and the ratios against 1.0. Outputs must be identical
 (admission order does not change greedy tokens); the script checks it.
 
-    python benchmarks/adaptive_conservativeness.py [--model random] [--requests 200]
+    python benchmarks/adaptive_conservativeness.py [--model random] [--requests 600]
         [--max-new-tokens 256] [--max-total-tokens 4096] [--stop-ids 24] [--full-length]
 
 ``--full-length`` ignores the stop set (every request runs to max_new_tokens): ``auto`` should
-then behave like 1.0, without a retraction storm.
+then reserve like 1.0 at first and, once it has seen requests run to the end, all of their
+max_new_tokens, without a retraction storm.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def serve(path: str, conservativeness, prompts, params, max_total_tokens: int) -
         steps += 1
     seconds = time.perf_counter() - start
     generated = sum(len(r.output_ids) for r in reqs)
+    quarters = [usages[len(usages) * q // 4: len(usages) * (q + 1) // 4] for q in range(4)]
     return {"usage": sum(usages) / len(usages) if usages else 0.0, "tok_s": generated / seconds,
+            "quarters": [sum(u) / len(u) if u else 0.0 for u in quarters],
             "steps": steps, "retracted": engine.scheduler.counters.retracted_reqs,
             "generated": generated, "outputs": [r.output_ids for r in reqs],
             "ratio": engine.scheduler.ratio}
@@ -73,7 +78,7 @@ def serve(path: str, conservativeness, prompts, params, max_total_tokens: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_option(ap, "a random 4-layer 256-wide Llama")
-    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=4096)
     ap.add_argument("--stop-ids", type=int, default=24, help="size of the random stop set")
@@ -106,6 +111,9 @@ def main() -> None:
               f"{per_step:>8.2f} {r['retracted']:>9} {r['usage'] / max(base['usage'], 1e-9):>8.2f} "
               f"{r['tok_s'] / base['tok_s']:>8.2f} "
               f"{per_step / (base['generated'] / base['steps']):>10.2f}")
+    print("token usage (queue>0) by quarter of those steps:")
+    for c, r in results.items():
+        print(f"{c!s:>16} " + " ".join(f"{u:.3f}" for u in r["quarters"]))
     print(results["auto"]["ratio"].describe())
     same = all(r["outputs"] == base["outputs"] for r in results.values())
     print(f"outputs identical across settings: {same}")

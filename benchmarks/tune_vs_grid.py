@@ -3,11 +3,15 @@
 The grid measures every configuration of 3 conservativeness x 3 chunked-prefill sizes x 2
 policies x 2 batch caps (36, each a short offline run through the same Evaluator, so live
 changes help both alike); then the search runs with a budget of a fifth of the grid's time.
-Printed: each one's best configuration and throughput, the ratio (target >= 0.95), the time of
-each and the ratio (target <= 0.2). Throughput on a shared machine is noisy, so the two winners
-are then measured again, alternating, ``--repeats`` times each, and the medians compared too.
+Printed: each one's best configuration, the time of each and the ratio (target <= 0.2), and how
+the search's winner compares with the grid's (target >= 0.95). That comparison is made by
+measuring the two winners again, alternating, from fresh engines, ``--repeats`` times each, and
+taking the ratio of the medians: the throughput a winner showed in its own trial is the largest
+of 36 (the grid) or of a handful (the search) single noisy runs, which favours the grid by how
+noisy the machine is, not by how good its configuration is. That ratio of recorded bests is
+printed too.
 
-    python benchmarks/tune_vs_grid.py [--model random] [--num-prompts 48] [--repeats 3]
+    python benchmarks/tune_vs_grid.py [--model random] [--num-prompts 48] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def main() -> None:
     add_model_option(ap, "a random-init Llama, 2 layers")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--max-total-tokens", type=int, default=1200)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     logging.getLogger("engine").setLevel(logging.ERROR)  # the advisor's lines, per trial
     path = resolve(args.model, lambda: make_tiny_model(tempfile.mkdtemp(prefix="tune-")))
@@ -70,11 +74,14 @@ def main() -> None:
           f"{command(full.best.config, knobs, args_fixed)}")
     print(f"{'search':8}{len(tuned.trials):>8}{tuned.seconds:>10.1f}{s:>12.1f}  "
           f"{command(tuned.best.config, knobs, args_fixed)}")
-    print(f"best throughput, search / grid: {s / g:.3f} (target >= 0.95)")
+    print(f"best throughput as recorded in the trials, search / grid: {s / g:.3f} (the grid's is "
+          f"the largest of {len(full.trials)} single runs, the search's of {len(tuned.trials)})")
     print(f"time, search / grid: {tuned.seconds / full.seconds:.3f} (target <= 0.2)")
     mg, ms = statistics.median(again[0]), statistics.median(again[1])
-    print(f"the two winners measured again ({args.repeats}x each, fresh engines, median): grid's "
-          f"{mg:.1f}, search's {ms:.1f} tok/s: ratio {ms / mg:.3f}")
+    same = " (the same configuration)" if winners[0] == winners[1] else ""
+    print(f"the two winners measured again ({args.repeats}x each, alternating, fresh engines, "
+          f"median): grid's {mg:.1f}, search's {ms:.1f} tok/s{same}")
+    print(f"search's winner / grid's winner: {ms / mg:.3f} (target >= 0.95)")
     print(f"search's gain over the defaults: {tuned.gain:.2f}x (as measured in its trials)")
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from engine import Engine
 from engine.config import ConfigError, EngineConfig
-from engine.scheduler.adaptive import (MIN_MARGIN, PRIOR, QUIET_S, RETRACT_BUMP, AdaptiveRatio,
-                                       make_ratio)
+from engine.scheduler.adaptive import (MIN_EVIDENCE, MIN_MARGIN, PRIOR, QUIET_S, RETRACT_BUMP,
+                                       AdaptiveRatio, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
 from engine.stats import StepStats
 
@@ -87,28 +87,63 @@ def finished(length, max_new, reason="stop"):
                            params=SimpleNamespace(max_new_tokens=max_new))
 
 
+def running(generated, max_new):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(output_ids=[0] * generated, remaining_new_tokens=max_new - generated,
+                           params=SimpleNamespace(max_new_tokens=max_new))
+
+
 def test_the_ratio_is_the_observed_share_times_a_margin():
     ratio = AdaptiveRatio(Clock())
     assert ratio.value == pytest.approx(PRIOR)  # starts where conservativeness 1.0 starts
+    assert ratio.reserve(running(0, 100)) == pytest.approx(PRIOR * 100)
+    for _ in range(500):  # nothing has finished yet: nothing says requests stop early
+        ratio.observe(stats(3, 0.5))
+    assert ratio.margin == 1.0
     for _ in range(60):
         ratio.finished(finished(10, 100))
     ratio.finished(finished(3, 100, reason="abort"))  # aborted requests say nothing
     assert len(ratio.shares) == 60
     assert ratio.value == pytest.approx((6 + 4 * PRIOR) / 64)
+    assert ratio.reserve(running(0, 100)) == pytest.approx(100 * (6 + 4 * PRIOR) / 64)
     # margin falls only while requests wait under 0.9 usage with room in the batch
     before = ratio.margin
     for s in (stats(0, 0.5), stats(3, 0.95), stats(3, 0.5, running=8), stats(3, 0.5,
                                                                               mode="prefill")):
         ratio.observe(s)
     assert ratio.margin == before
+    ratio.observe(stats(3, 0.93))
+    assert ratio.margin == pytest.approx(before * 0.98)  # near the target: slowly
+    ratio.margin = before
+    ratio.observe(stats(3, 0.1))
+    assert ratio.margin < before * 0.8  # an almost empty pool: fast
     for _ in range(500):
         ratio.observe(stats(3, 0.5))
     assert ratio.margin == MIN_MARGIN
 
 
+def test_a_request_that_outlived_the_short_ones_is_expected_to_run_like_the_long_ones():
+    ratio = AdaptiveRatio(Clock())
+    for _ in range(90):
+        ratio.finished(finished(5, 100))  # most stop after 5 tokens ...
+    for _ in range(10):
+        ratio.finished(finished(100, 100, reason="length"))  # ... a few run to the end
+    fresh, survivor = ratio.reserve(running(0, 100)), ratio.reserve(running(20, 100))
+    assert fresh == pytest.approx((90 * 5 + 10 * 100 + 4 * PRIOR * 100) / 104)
+    # past 5 tokens only the long ones (and the prior) are left: 80 more tokens each
+    assert survivor == pytest.approx((10 * 80 + 4 * PRIOR * 80) / 14)
+    assert survivor > fresh
+    assert ratio.reserve(running(100, 100)) == 0
+    ratio.margin = 10.0  # a reservation never exceeds what the request may still generate
+    assert ratio.reserve(running(20, 100)) == 80
+
+
 def test_a_retraction_raises_the_margin_and_holds_it_a_minute():
     clock = Clock()
     ratio = AdaptiveRatio(clock)
+    for _ in range(MIN_EVIDENCE):
+        ratio.finished(finished(10, 100))
     ratio.margin = 0.5
     old, new = ratio.after_retraction([])
     assert ratio.margin == 0.5 * RETRACT_BUMP and new > old
@@ -118,6 +153,10 @@ def test_a_retraction_raises_the_margin_and_holds_it_a_minute():
     clock.now = QUIET_S + 1
     ratio.observe(stats(3, 0.5))
     assert ratio.margin < 0.5 * RETRACT_BUMP
+    for _ in range(20):  # bumps stop where new requests reserve all of max_new_tokens
+        ratio.after_retraction([])
+    assert ratio.value == pytest.approx(1.0)
+    assert ratio.margin == pytest.approx(1 / ratio.generated_share)
 
 
 def test_a_number_keeps_sglangs_schedule_and_bad_values_say_what_to_pass():

@@ -91,6 +91,18 @@ def test_budget_stops_starting_trials_and_reports_what_ran():
     assert res.best is not None and res.best.index in (0, 1, 2)
 
 
+def test_a_trial_that_might_not_fit_is_not_started():
+    class Uneven(Fake):  # trials take 10 s, 4 s, 4 s, ...: the mean (6 s) would fit a 4th
+        def __call__(self, config):
+            self.seconds = 10.0 if not self.calls else 4.0
+            return super().__call__(config)
+
+    clock = Clock()
+    res = search(KNOBS, Uneven(clock), budget_s=26.0, clock=clock)
+    assert len(res.trials) == 3 and clock.t == 18.0  # a 4th could take 10 s: 28 > 26
+    assert any("up to 10.0 s each" in n for n in res.notes)
+
+
 def test_low_usage_with_a_queue_tries_lower_conservativeness_and_prunes_higher():
     fake = Fake()
     search(KNOBS[:1], fake)  # defaults: conservativeness 1.0, above the optimum 0.5

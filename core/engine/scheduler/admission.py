@@ -29,6 +29,10 @@ class NewTokenRatio:
         self.decay = (self.init - self.min) / DECAY_STEPS
         self.value = self.init
 
+    def reserve(self, req) -> float:
+        """Slots held back for ``req``'s tokens still to come."""
+        return min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS) * self.value
+
     def step(self) -> None:
         self.value = max(self.value - self.decay, self.min)
 
@@ -49,14 +53,10 @@ class NewTokenRatio:
         return old, self.value
 
 
-def reserved_tokens(req, ratio: float) -> float:
-    return min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS) * ratio
-
-
-def still_needed(req, ratio: float) -> float:
-    """What a running request is still counted for: its reserved share of new tokens plus the
-    prompt tokens it has not computed yet (all but the last)."""
-    return reserved_tokens(req, ratio) + (req.seq_len - req.kv_len - 1)
+def still_needed(running, ratio) -> float:
+    """What the running requests are still counted for: the slots ``ratio`` reserves for their
+    new tokens plus the prompt tokens they have not computed yet (all but the last)."""
+    return sum(ratio.reserve(r) + (r.seq_len - r.kv_len - 1) for r in running)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from engine.sampling import Sampler, SamplingBatch, token_stop_reason
 from engine.sampling.penalties import SeenTokens
 from engine.scheduler.adaptive import make_ratio
 from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
-                                        prefix_in_flight, reserved_tokens, still_needed,
+                                        prefix_in_flight, still_needed,
                                         waits_for_leader)
 from engine.scheduler.grammar import (StepMasks, admissible, advance, start_matchers,
                                       wait_for_compiles)
@@ -155,18 +155,17 @@ class Scheduler:
         if (not self.waiting or len(self.running) >= self.sizing.max_running_requests
                 or prefill.budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
             return prefill
-        ratio = self.ratio.value
-        prefill.reserve = sum(still_needed(r, ratio) for r in self.running)
+        prefill.reserve = still_needed(self.running, self.ratio)
         if self.kv.available() - prefill.reserve < 1 and (self.running or prefill.chunks):
             return prefill
         for r in self._queue_in_policy_order():
-            if not self._try_admit(r, prefill, ratio).tries_next:
+            if not self._try_admit(r, prefill).tries_next:
                 break
         if prefill.new_seqs:
             self.waiting = [r for r in self.waiting if r.status is Status.WAITING]
         return prefill
 
-    def _try_admit(self, r: Req, prefill: StepPrefill, ratio: float) -> Verdict:
+    def _try_admit(self, r: Req, prefill: StepPrefill) -> Verdict:
         """SGLang's rule: admit ``r`` when the batch, the token budget, a request row and the KV
         room (free + evictable - reserved) allow its uncached prompt and its own reservation."""
         if len(self.running) >= self.sizing.max_running_requests:
@@ -181,7 +180,7 @@ class Scheduler:
         n = prefill.budget.take(extend)
         if n == 0:
             return Verdict.NO_BUDGET
-        reservation = reserved_tokens(r, ratio)
+        reservation = self.ratio.reserve(r)
         room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
         if extend + reservation > room and (self.running or prefill.chunks):
             return Verdict.NO_ROOM  # (a lone request is always tried)

@@ -62,11 +62,12 @@ class _Run:
         self.out_of_budget = False
 
     def estimate(self, live: bool) -> float:
-        """Seconds the next trial will take: the mean of past ones of its kind (live or not)."""
+        """Seconds the next trial may take: the longest past one of its kind (live or not), so
+        that a trial is started only where it fits the budget."""
         trials = self.result.trials
         same = [t.seconds for t in trials if (t.how == "live") == live] or \
             [t.seconds for t in trials]
-        return sum(same) / len(same) if same else 0.0
+        return max(same, default=0.0)
 
     def trial(self, config: dict, live: bool = False) -> Trial | None:
         """Measure ``config`` (once: a repeat returns the first trial); None when the budget
@@ -79,7 +80,7 @@ class _Run:
             if not self.out_of_budget:
                 self.result.notes.append(
                     f"stopped: the budget ({self.budget_s / 60:g} min) leaves no room for "
-                    f"another trial (about {self.estimate(live):.1f} s each)")
+                    f"another trial (up to {self.estimate(live):.1f} s each)")
             self.out_of_budget = True
             return None
         t0 = self.clock()
