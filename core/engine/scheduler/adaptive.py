@@ -15,8 +15,9 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from itertools import accumulate
 
-from engine.scheduler.admission import CLIP_MAX_NEW_TOKENS, NewTokenRatio
+from engine.scheduler.admission import NewTokenRatio, reservable_tokens
 
 AUTO = "auto"
 PRIOR = 0.7  # with nothing observed, reserve what conservativeness 1.0 starts with ...
@@ -61,11 +62,8 @@ class OutputShares:
 
     def beyond(self, p: float) -> tuple[int, float]:
         """How many shares exceed ``p``, and their sum."""
-        if self._suffix is None:
-            suffix = [0.0] * (len(self.sorted) + 1)
-            for i in range(len(self.sorted) - 1, -1, -1):
-                suffix[i] = suffix[i + 1] + self.sorted[i]
-            self._suffix = suffix
+        if self._suffix is None:  # _suffix[i] = sum(sorted[i:])
+            self._suffix = list(accumulate(reversed(self.sorted), initial=0.0))[::-1]
         i = bisect.bisect_right(self.sorted, p)
         return len(self.sorted) - i, self._suffix[i]
 
@@ -106,7 +104,7 @@ class AdaptiveRatio:
 
     def reserve(self, req) -> float:
         """Slots held back for ``req``'s tokens still to come."""
-        remaining = min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS)
+        remaining = reservable_tokens(req)
         max_new = req.params.max_new_tokens
         if not remaining or not max_new:
             return 0.0

@@ -31,7 +31,7 @@ class NewTokenRatio:
 
     def reserve(self, req) -> float:
         """Slots held back for ``req``'s tokens still to come."""
-        return min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS) * self.value
+        return reservable_tokens(req) * self.value
 
     def step(self) -> None:
         self.value = max(self.value - self.decay, self.min)
@@ -51,6 +51,12 @@ class NewTokenRatio:
         else:
             self.value = 1.0
         return old, self.value
+
+
+def reservable_tokens(req) -> int:
+    """The new tokens a request may still generate, clipped at CLIP_MAX_NEW_TOKENS (what any
+    reservation for it is a share of)."""
+    return min(max(req.remaining_new_tokens, 0), CLIP_MAX_NEW_TOKENS)
 
 
 def still_needed(running, ratio) -> float:
