@@ -129,3 +129,93 @@ def test_an_outside_plugin_registers_a_routing_policy():
     pm.register(Plugin("round_robin"), name="clash")
     with pytest.raises(DuplicateRegistration, match="round_robin"):
         build_registries(pm, {})
+
+
+def _check_tree(tree: PrefixTree) -> None:
+    """The tree's bookkeeping against a walk of it: sizes, node counts, child counts, and
+    that a node holding a replica has a parent holding it."""
+    size, nodes = {}, {}
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        below = {}
+        for first, child in node.children.items():
+            assert child.edge and child.edge[0] == first and child.parent is node
+            assert child.last_used, "a node held by no replica stays in the tree"
+            for r in child.last_used:
+                below[r] = below.get(r, 0) + 1
+                assert node is tree.root or r in node.last_used
+            stack.append(child)
+        assert below == node.below
+        for r in node.last_used:
+            size[r] = size.get(r, 0) + len(node.edge)
+            nodes[r] = nodes.get(r, 0) + 1
+    assert {r: s for r, s in tree.size.items() if s} == size
+    assert {r: n for r, n in tree.nodes.items() if n} == nodes
+
+
+def test_prefix_tree_bookkeeping_holds_under_random_traffic():
+    import random
+
+    rng = random.Random(1)
+    tree = PrefixTree(max_chars=300, max_prefix=40)
+    heads = ["".join(rng.choices("abc", k=rng.randint(1, 12))) for _ in range(6)]
+    for i in range(3000):
+        text = rng.choice(heads) + "".join(rng.choices("abcd", k=rng.randint(0, 30)))
+        if rng.random() < 0.3:
+            tree.match(text)
+        else:
+            tree.insert(text, rng.randrange(3))
+            assert all(s <= 300 for s in tree.size.values())
+        if i % 500 == 499:
+            tree.remove(rng.randrange(3))
+        if i % 50 == 0:
+            _check_tree(tree)
+    _check_tree(tree)
+    # what a replica still holds, it matches in full
+    tree.insert("abcabcabc", 0)
+    assert tree.match("abcabcabc")[0] == 9
+
+
+def test_routing_cost_per_request_does_not_grow_with_the_requests_routed():
+    """Issue 28: eviction walked the whole tree on every insert once a replica's share was full
+    (1.7 ms rising to 141 ms a request). Counted in tree nodes touched, not in time."""
+    import random
+    import string
+
+    rng = random.Random(0)
+    policy = CacheAware(RouterOptions(4))
+    policy.tree.max_chars = 20_000
+    systems = ["".join(rng.choices(string.ascii_letters, k=300)) for _ in range(8)]
+
+    def window(n):
+        before = policy.tree.visits
+        for _ in range(n):
+            policy.choose(rng.choice(systems) + "".join(rng.choices(string.ascii_letters, k=300)),
+                          views(0, 0, 0, 0))
+        return (policy.tree.visits - before) / n
+
+    window(400)  # every share is full from here on
+    assert all(s == 20_000 for s in policy.tree.size.values())
+    early = window(300)
+    for _ in range(4):
+        window(300)
+    late = window(300)
+    assert late <= 2 * early + 2 and late < 30, (early, late)
+
+
+def test_a_huge_prompt_costs_its_capped_prefix_only():
+    import tracemalloc
+
+    policy = CacheAware(RouterOptions(2))
+    huge, other = "x" * (32 << 20), "x" * (32 << 20) + "y"  # 32 MiB: once 15 GiB of tree
+    tracemalloc.start()
+    try:
+        first = policy.choose(huge, views(0, 0))
+        assert policy.choose(other, views(0, 0)) == first  # the cache still routes
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert policy.tree.size[first] == policy.tree.max_prefix
+    assert sum(policy.tree.nodes.values()) == 1

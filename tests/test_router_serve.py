@@ -16,14 +16,18 @@ import pytest
 from engine.testing import ServerProcess
 
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
+KEY = "sekret-key-issue-28"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture
 def dp_server(tiny_model_factory, tmp_path):
+    # the key in the front's environment (ENGINE_API_KEY), as the replicas get it
     server = ServerProcess(["--model", tiny_model_factory("llama"), "--dp-size", "2",
                             "--router-policy", "round_robin", "--max-total-tokens", "2048",
                             "--shutdown-grace-period", "2"],
-                           tmp_path / "front.log", env={"OMP_NUM_THREADS": "1"})
+                           tmp_path / "front.log",
+                           env={"OMP_NUM_THREADS": "1", "ENGINE_API_KEY": KEY})
     try:
         server.wait_ready(timeout=180)
         yield server
@@ -43,11 +47,11 @@ def _running(pid: int) -> bool:
 
 
 def _info(server) -> dict:
-    return httpx.get(server.url + "/get_server_info", timeout=TIMEOUT).json()
+    return httpx.get(server.url + "/get_server_info", headers=AUTH, timeout=TIMEOUT).json()
 
 
 def _metric(server, line_prefix: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=TIMEOUT).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(line_prefix + " ")]
     assert len(values) == 1, (line_prefix, text[-2000:])
@@ -57,11 +61,11 @@ def _metric(server, line_prefix: str) -> float:
 def _call(url: str, route: str, body: dict) -> dict:
     """One request; its answer (all SSE events when streaming)."""
     if not body.get("stream"):
-        r = httpx.post(url + route, json=body, timeout=TIMEOUT)
+        r = httpx.post(url + route, json=body, headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         return r.json()
     events = []
-    with httpx.stream("POST", url + route, json=body, timeout=TIMEOUT) as r:
+    with httpx.stream("POST", url + route, json=body, headers=AUTH, timeout=TIMEOUT) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -74,7 +78,8 @@ def test_dp2_serves_concurrent_clients_each_request_once(dp_server):
     info = _info(dp_server)
     assert info["dp_size"] == 2 and info["live_replicas"] == 2
     assert len(info["internal_states"]) == 2
-    model = httpx.get(dp_server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+    model = httpx.get(dp_server.url + "/v1/models", headers=AUTH,
+                      timeout=TIMEOUT).json()["data"][0]["id"]
     jobs = []
     for i in range(12):
         prompt = f"client {i} says hello"
@@ -104,15 +109,16 @@ def test_dp2_serves_concurrent_clients_each_request_once(dp_server):
     # the replicas finished each request once: 12 in total over the two
     assert _metric(dp_server, 'engine:num_requests_total{model_name="%s"}' % model) == 12
     assert _metric(dp_server, "engine:dp_routed_requests_total") == 12
-    flushed = httpx.post(dp_server.url + "/flush_cache", timeout=TIMEOUT).json()
+    flushed = httpx.post(dp_server.url + "/flush_cache", headers=AUTH, timeout=TIMEOUT).json()
     assert [r["dp_rank"] for r in flushed["replicas"]] == [0, 1]
 
 
-def test_killed_replica_is_reported_and_its_traffic_moves(dp_server):
+def test_killed_replica_is_reported_restarted_and_back_in_rotation(dp_server):
     url = dp_server.url
     body = {"text": "a long answer", "stream": True,
             "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
-    with httpx.stream("POST", url + "/generate", json=body, timeout=TIMEOUT) as stream:
+    with httpx.stream("POST", url + "/generate", json=body, headers=AUTH,
+                      timeout=TIMEOUT) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it is generating
         busy = next(r for r in _info(dp_server)["replicas"] if r["load"] == 1)
@@ -121,25 +127,55 @@ def test_killed_replica_is_reported_and_its_traffic_moves(dp_server):
     # the in-flight stream ends with an error event, not a hang
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])["error"]
-    assert error["code"] == "replica_failed" and f"dp rank {busy['dp_rank']}" in error["message"]
-    deadline = time.monotonic() + 10
-    while _info(dp_server)["live_replicas"] != 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    info = _info(dp_server)
-    dead = info["replicas"][busy["dp_rank"]]
-    assert not dead["alive"] and "killed by SIGKILL" in dead["error"]
-    assert re.search(rf"dp rank {busy['dp_rank']} \(.*\) is down: process {busy['pid']} killed "
-                     rf"by SIGKILL; it is out of rotation", dp_server.log())
-    # every later request goes to the live replica, and is answered
-    survivor = 1 - busy["dp_rank"]
-    before = info["replicas"][survivor]["routed_requests"]
+    rank = busy["dp_rank"]
+    assert error["code"] == "replica_failed" and f"dp rank {rank}" in error["message"]
+    # every request is answered meanwhile (by the survivor while rank is down)
     for i in range(4):
         answer = _call(url, "/generate", {"text": f"after {i}",
                                           "sampling_params": {"max_new_tokens": 2}})
         assert answer["meta_info"]["completion_tokens"] == 2
-    assert _info(dp_server)["replicas"][survivor]["routed_requests"] == before + 4
     assert httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
-    assert _metric(dp_server, f'engine:dp_replica_up{{dp_rank="{busy["dp_rank"]}"}}') == 0
+    assert re.search(rf"dp rank {rank} \(.*\) is down: process {busy['pid']} killed "
+                     rf"by SIGKILL; it is out of rotation", dp_server.log())
+    # issue 28: it is restarted (after a backoff, logged) and back in rotation once healthy
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        info = _info(dp_server)
+        if info["live_replicas"] == 2:
+            break
+        time.sleep(0.5)
+    back = info["replicas"][rank]
+    assert back["alive"] and back["restarts"] == 1 and back["pid"] != busy["pid"], info
+    assert _running(back["pid"])
+    log = dp_server.log()
+    assert f"dp rank {rank}: restarting it in 1 s (restart 1 of at most 5 in a row)" in log
+    assert re.search(rf"dp rank {rank} \(.*, pid {back['pid']}\) is healthy again: back in "
+                     rf"rotation", log)
+    before = back["routed_requests"]
+    for i in range(4):  # round_robin: two of them reach the restarted replica, which serves
+        answer = _call(url, "/generate", {"text": f"back {i}",
+                                          "sampling_params": {"max_new_tokens": 2}})
+        assert answer["meta_info"]["completion_tokens"] == 2
+    assert _info(dp_server)["replicas"][rank]["routed_requests"] == before + 2
+    assert _metric(dp_server, f'engine:dp_replica_up{{dp_rank="{rank}"}}') == 1
+
+
+def test_the_api_key_reaches_the_replicas_off_their_command_line(dp_server):
+    """Issue 28: a replica's --api-key was readable by anyone in /proc/<pid>/cmdline."""
+    replicas = _info(dp_server)["replicas"]
+    for r in replicas:
+        with open(f"/proc/{r['pid']}/cmdline", "rb") as f:
+            cmdline = f.read().decode()
+        assert KEY not in cmdline and "--api-key" not in cmdline, cmdline
+        # the replica itself still wants the key
+        assert httpx.get(r["url"] + "/v1/models", timeout=TIMEOUT).status_code == 401
+        assert httpx.get(r["url"] + "/v1/models", headers=AUTH,
+                         timeout=TIMEOUT).status_code == 200
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(dp_server.url + "/generate", json=body,
+                      timeout=TIMEOUT).status_code == 401
+    assert httpx.post(dp_server.url + "/generate", json=body, headers=AUTH,
+                      timeout=TIMEOUT).status_code == 200
 
 
 def test_a_replica_that_cannot_start_stops_the_front_with_its_reason(tiny_model_factory,

@@ -3,6 +3,10 @@
 It prints what the server's own advisor (the engine-advisor plugin) has published at
 /get_server_info, then polls /metrics and /get_server_info for ``--duration`` seconds and runs
 the same rules (engine.advice) on what it saw.
+
+Against a ``--dp-size`` front, /metrics has each replica's series (``dp_rank`` label) and their
+totals (no ``dp_rank``): doctor reads the totals only, and compares them with
+``--max-running-requests`` times the live replicas.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def _metrics(text: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if "dp_rank" in s.labels:  # a dp front's per-replica series: the totals follow
+                continue
             values[s.name] = values.get(s.name, 0.0) + s.value
     return values
 
@@ -76,20 +82,27 @@ def doctor_command(url, api_key, duration, interval):
         sleep(interval)
         s, info = sample(url, api_key)
         samples.append(s)
-    settings = Settings(info["max_running_requests"], info.get("chunked_prefill_size"),
+    replicas = info.get("live_replicas", 1) if info.get("dp_size", 1) > 1 else 1
+    settings = Settings(info["max_running_requests"] * max(1, replicas),
+                        info.get("chunked_prefill_size"),
                         info.get("schedule_conservativeness", 1.0))
     published = info.get("advice")
     busy = sum(1 for s in samples if s.busy)
     click.echo(f"engine doctor: {url} ({info.get('served_model_name')}); {len(samples)} polls "
                f"over {duration:g} s, {busy} with requests in flight")
+    if info.get("dp_size", 1) > 1:
+        click.echo(f"(a --dp-size {info['dp_size']} front, {replicas} replica(s) live: the "
+                   f"numbers are their totals, against --max-running-requests "
+                   f"{info['max_running_requests']} x {replicas})")
     if published is None:
         click.echo("(the server runs no advisor: pip install engine-advisor there for advice "
                    "from every step)")
     given = set()
     for advice in published or ():
         given.add(advice["symptom"])
-        click.echo(f"[{advice['symptom']}] (the server's advisor, step {advice.get('step')}) "
-                   f"{advice['message']}")
+        where = f"dp rank {advice['dp_rank']}, " if "dp_rank" in advice else ""
+        click.echo(f"[{advice['symptom']}] (the server's advisor, {where}step "
+                   f"{advice.get('step')}) {advice['message']}")
     for advice in diagnose(samples, settings):
         if advice.symptom not in given:
             given.add(advice.symptom)

@@ -13,7 +13,8 @@ SERVER_FLAGS = ("host", "port", "api_key", "served_model_name", "log_level",
 # the dp front's own flags: not passed on to its replicas
 ROUTER_FLAGS = ("dp_size", "router_policy", "router_balance_abs_threshold",
                 "router_balance_rel_threshold", "router_cache_threshold")
-FRONT_ONLY = (*ROUTER_FLAGS, "host", "port")
+# (the API key reaches the replicas in their environment, not on their command line)
+FRONT_ONLY = (*ROUTER_FLAGS, "host", "port", "api_key")
 
 
 @click.command("serve", cls=EngineCommand, context_settings={"show_default": True})
@@ -22,8 +23,9 @@ FRONT_ONLY = (*ROUTER_FLAGS, "host", "port")
               help="Answer 503 when this many requests already wait.  [default: no limit]")
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=30000, type=int)
-@click.option("--api-key", help="Require 'Authorization: Bearer KEY' on every route but "
-                                "/health.")
+@click.option("--api-key", envvar="ENGINE_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health (the "
+                   "variable keeps the key out of the command line, which /proc shows).")
 @click.option("--served-model-name", help="The model name clients use.  [default: --model; "
                                           "SmolLM2-135M-Instruct for the default model]")
 @click.option("--log-level", default="info",
@@ -145,6 +147,6 @@ def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
     try:
         serve_dp(replica_args(ctx), options, router["router_policy"], server["host"],
                  server["port"], server["api_key"], server["shutdown_grace_period"],
-                 server["log_level"])
+                 server["log_level"], server["max_request_bytes"], config)
     except RuntimeError as e:  # a replica that did not start
         raise click.ClickException(str(e)) from None

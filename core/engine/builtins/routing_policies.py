@@ -43,7 +43,8 @@ class CacheAware:
     the replica with the smallest tree; when the load is imbalanced (the most loaded has more
     than ``balance_abs_threshold`` requests more than the least loaded AND more than
     ``balance_rel_threshold`` times as many), the least loaded. The prompt goes into the chosen
-    replica's tree either way."""
+    replica's tree either way. Only the prompt's first ``PrefixTree.max_prefix`` characters
+    count (the tree's cap), in the share the threshold asks for too."""
 
     def __init__(self, options: RouterOptions):
         self.options = options
@@ -56,6 +57,7 @@ class CacheAware:
         return most - least > o.balance_abs_threshold and most > least * o.balance_rel_threshold
 
     def choose(self, text: str, replicas: Sequence[ReplicaView]) -> int:
+        text = text[:self.tree.max_prefix]
         live = {r.rank for r in replicas}
         if self.imbalanced(replicas):
             rank = min(replicas, key=lambda r: (r.load, r.rank)).rank

@@ -75,6 +75,12 @@ def aggregate(per_replica: dict[int, str], replicas) -> str:
     lines += [f'engine:dp_routed_requests_total{{dp_rank="{r.rank}"}} {r.routed}'
               for r in replicas]
     lines.append(f"engine:dp_routed_requests_total {sum(r.routed for r in replicas)}")
+    lines += ["# HELP engine:dp_replica_restarts_total Times the front restarted each replica "
+              "after its process died.",
+              "# TYPE engine:dp_replica_restarts_total counter"]
+    lines += [f'engine:dp_replica_restarts_total{{dp_rank="{r.rank}"}} {r.restarts}'
+              for r in replicas]
+    lines.append(f"engine:dp_replica_restarts_total {sum(r.restarts for r in replicas)}")
     return "\n".join(lines) + "\n"
 
 

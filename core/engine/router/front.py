@@ -25,6 +25,7 @@ from engine.router.aggregate import aggregate
 from engine.router.policy import ReplicaView, RouterOptions
 from engine.router.replicas import Replica, ReplicaSet
 from engine.server import errors
+from engine.server.body import read_body
 from engine.server.errors import APIError
 
 logger = logging.getLogger("engine.router")
@@ -53,11 +54,31 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e) or 'connection lost'}"
 
 
+async def _disconnected(receive) -> None:
+    """Returns once the client has hung up (the body must have been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+def _client_gone(r: Replica, request: Request) -> Response:
+    logger.info(f"{request.url.path}: the client hung up; the request is aborted on dp rank "
+                f"{r.rank} (its connection closed)")
+    return Response(status_code=499)  # nginx's "client closed request": no one reads it
+
+
 class Router:
     def __init__(self, replicas: ReplicaSet, policy, options: RouterOptions, policy_name: str,
-                 api_key: str | None):
+                 api_key: str | None, max_request_bytes: int = 32 << 20):
         self.set, self.policy, self.options = replicas, policy, options
         self.policy_name, self.api_key = policy_name, api_key
+        self.max_request_bytes = max_request_bytes  # --max-request-bytes: 413 past it
         self.client: httpx.AsyncClient | None = None
         self.draining = False
         self.forgotten: set[int] = set()  # dead ranks the policy was told about
@@ -93,46 +114,75 @@ class Router:
         return chosen
 
     async def monitor(self) -> None:
+        """Notices deaths, restarts dead replicas (ReplicaSet's backoff) and puts a replica
+        back into rotation once its /health answers 200."""
         while True:
             self.set.check_exits()
             self.forget_dead()
+            if not self.draining:
+                self.set.restart_due()
+                await asyncio.gather(*(self._probe(r) for r in self.set.recovering()))
             await asyncio.sleep(CHECK_INTERVAL_S)
+
+    async def _probe(self, r: Replica) -> None:
+        try:
+            resp = await self.client.get(r.url + "/health", timeout=2.0)
+        except httpx.HTTPError:
+            return
+        if resp.status_code == 200 and r.proc.poll() is None:
+            self.set.readmit(r)
+            self.forgotten.discard(r.rank)  # its next death is told to the policy again
 
     async def forward(self, request: Request) -> Response:
         if self.draining:
             raise APIError(503, "shutting down")
-        body = await request.body()
+        body = await read_body(request, self.max_request_bytes)  # 413 past the limit
         text = routing_text(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers.update(self.headers)
-        while True:
-            r = self.pick(text)
-            req = self.client.build_request(request.method, r.url + request.url.path,
-                                            params=request.query_params, content=body,
-                                            headers=headers)
-            r.load += 1
-            try:
-                upstream = await self.client.send(req, stream=True)
-            except httpx.ConnectError as e:  # refused: nothing listens there
-                r.load -= 1
-                self.kill(r, f"connection failed: {type(e).__name__}: {e}")
-                continue  # nothing was sent: the request moves to another replica
-            except httpx.HTTPError as e:
-                r.load -= 1
-                if await asyncio.to_thread(self.set.exited, r, EXIT_WAIT_S):
-                    continue  # it died before answering: the request moves to another replica
-                raise APIError(502, f"dp rank {r.rank} failed before answering this request "
-                                    f"({_describe(e)}); retry it",
-                               code="replica_failed", type="bad_gateway") from None
-            except BaseException:
-                r.load -= 1
-                raise
-            r.routed += 1
-            return self._relay(r, upstream)
+        # the client hanging up ends the request on the replica too: the connection to it closes
+        # and the replica's own disconnect detection aborts the request
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            while True:
+                r = self.pick(text)
+                req = self.client.build_request(request.method, r.url + request.url.path,
+                                                params=request.query_params, content=body,
+                                                headers=headers)
+                r.load += 1
+                sending = asyncio.ensure_future(self.client.send(req, stream=True))
+                try:
+                    await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not sending.done():
+                        await _cancel(sending)
+                        r.load -= 1
+                        return _client_gone(r, request)
+                    upstream = sending.result()
+                except httpx.ConnectError as e:  # refused: nothing listens there
+                    r.load -= 1
+                    self.kill(r, f"connection failed: {type(e).__name__}: {e}")
+                    continue  # nothing was sent: the request moves to another replica
+                except httpx.HTTPError as e:
+                    r.load -= 1
+                    if await asyncio.to_thread(self.set.exited, r, EXIT_WAIT_S):
+                        continue  # it died before answering: the request moves to another
+                    raise APIError(502, f"dp rank {r.rank} failed before answering this "
+                                        f"request ({_describe(e)}); retry it",
+                                   code="replica_failed", type="bad_gateway") from None
+                except BaseException:
+                    await _cancel(sending)
+                    r.load -= 1
+                    raise
+                r.routed += 1
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    await _cancel(gone)  # StreamingResponse watches for the hang-up itself
+                    return self._stream(r, upstream)
+                return await self._buffered(r, upstream, gone, request)
+        finally:
+            await _cancel(gone)
 
-    def _relay(self, r: Replica, upstream: httpx.Response) -> Response:
+    def _stream(self, r: Replica, upstream: httpx.Response) -> Response:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-        streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
         async def body():
             try:
@@ -143,20 +193,39 @@ class Router:
                 msg = (f"dp rank {r.rank} failed while answering this request "
                        f"({_describe(e)}); retry it")
                 logger.error(msg)
-                if streaming:
-                    yield b"data: " + json.dumps(APIError(502, msg, code="replica_failed")
-                                                 .body()).encode() + b"\n\n"
-                    yield b"data: [DONE]\n\n"
-                else:
-                    raise
+                yield b"data: " + json.dumps(APIError(502, msg, code="replica_failed")
+                                             .body()).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
             finally:
                 r.load -= 1
                 await upstream.aclose()
 
-        if streaming:
-            return StreamingResponse(body(), status_code=upstream.status_code,
-                                     headers=out_headers)
-        return _Buffered(body, upstream.status_code, out_headers, r)
+        return StreamingResponse(body(), status_code=upstream.status_code, headers=out_headers)
+
+    async def _buffered(self, r: Replica, upstream: httpx.Response, gone: asyncio.Future,
+                        request: Request) -> Response:
+        """A non-streaming answer: read whole before the status goes out, so that a replica
+        dying mid-answer becomes a 502 instead of a truncated body; the client hanging up
+        meanwhile closes the connection to the replica (which aborts the request)."""
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        reading = asyncio.ensure_future(upstream.aread())
+        try:
+            await asyncio.wait({reading, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done():
+                await _cancel(reading)
+                return _client_gone(r, request)
+            content = reading.result()
+        except httpx.HTTPError as e:
+            self.set.check_exits()
+            msg = (f"dp rank {r.rank} failed while answering this request "
+                   f"({_describe(e)}); retry it")
+            logger.error(msg)
+            raise APIError(502, msg, code="replica_failed", type="bad_gateway") from None
+        finally:
+            await _cancel(reading)
+            r.load -= 1
+            await upstream.aclose()
+        return Response(content, upstream.status_code, headers=out_headers)
 
     async def first_live(self, path: str) -> Response:
         for r in self.set.live():
@@ -178,26 +247,6 @@ class Router:
                 return f"{type(e).__name__}: {e}"
         live = self.set.live()
         return dict(zip(live, await asyncio.gather(*(one(r) for r in live))))
-
-
-class _Buffered(Response):
-    """A non-streaming answer: read whole before the status goes out, so that a replica dying
-    mid-answer becomes a 502 instead of a truncated body."""
-
-    def __init__(self, body, status, headers, replica):
-        super().__init__(status_code=status)
-        self._body, self._status, self._headers, self._replica = body, status, headers, replica
-
-    async def __call__(self, scope, receive, send):
-        try:
-            content = b"".join([chunk async for chunk in self._body()])
-        except httpx.HTTPError as e:
-            msg = (f"dp rank {self._replica.rank} failed while answering this request "
-                   f"({_describe(e)}); retry it")
-            await APIError(502, msg, code="replica_failed", type="bad_gateway").response()(
-                scope, receive, send)
-            return
-        await Response(content, self._status, headers=self._headers)(scope, receive, send)
 
 
 def _router(request: Request) -> Router:
@@ -262,14 +311,16 @@ async def server_info(request: Request):
     rt = _router(request)
     results = await rt.each_live("GET", "/get_server_info")
     info: dict = {}
-    replicas, states = [], []
+    replicas, states, children = [], [], []
     for r in rt.set.replicas:
         entry = {"dp_rank": r.rank, "url": r.url, "pid": r.proc.pid if r.proc else None,
-                 "alive": r.alive, "error": r.error, "load": r.load, "routed_requests": r.routed}
+                 "alive": r.alive, "error": r.error, "load": r.load, "routed_requests": r.routed,
+                 "restarts": r.restarts}
         resp = results.get(r)
         if resp is not None and not isinstance(resp, str) and resp.status_code == 200:
             child = resp.json()
             info = info or dict(child)
+            children.append((r.rank, child))
             entry["internal_state"] = (child.get("internal_states") or [None])[0]
             states.append(entry["internal_state"])
         elif resp is not None:
@@ -284,6 +335,11 @@ async def server_info(request: Request):
                 live_replicas=sum(r.alive for r in rt.set.replicas))
     info["total"] = {key: sum(s.get(key, 0) for s in states if s)
                      for key in ("num_running_reqs", "num_queue_reqs", "num_used_tokens")}
+    # counts over every replica (engine doctor reads them), each replica's advice with its rank
+    info["prefill_oom_errors"] = sum(c.get("prefill_oom_errors", 0) for _, c in children)
+    if any("advice" in c for _, c in children):
+        info["advice"] = [{**a, "dp_rank": rank} for rank, c in children
+                          for a in c.get("advice") or ()]
     return JSONResponse(info)
 
 

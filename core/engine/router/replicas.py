@@ -1,5 +1,16 @@
 """The dp replicas: N child ``engine serve`` processes on 127.0.0.1 and free ports, their log
-lines prefixed with their dp rank, their deaths noticed and reported."""
+lines prefixed with their dp rank, their deaths noticed and reported, and their restarts.
+
+Each replica gets its share of the machine (:func:`place`): on GPUs its own devices through
+``CUDA_VISIBLE_DEVICES`` (dp rank i: the i-th run of tp_size x pp_size devices); on a CPU 1/N
+of the cores (``OMP_NUM_THREADS``) and 1/N of the memory fraction (``--mem-fraction-static``).
+The API key goes through the environment (``ENGINE_API_KEY``), never the command line, which
+anyone on the machine can read in /proc.
+
+A replica whose process exits is restarted after a backoff (1 s, doubling, up to 30 s), at most
+``max_restarts`` times in a row (a replica that stayed up ``STABLE_S`` s starts counting again),
+and comes back into rotation once its /health answers 200 (:meth:`Router.monitor`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import httpx
 
@@ -20,6 +32,11 @@ logger = logging.getLogger("engine.router")
 
 # the child runs the same CLI as this process
 _CLI = "import sys; from engine_cli.main import cli; sys.argv[0] = 'engine'; cli()"
+API_KEY_ENV = "ENGINE_API_KEY"  # `engine serve --api-key`'s variable
+MAX_RESTARTS = 5
+RESTART_BACKOFF_S = 1.0  # doubles with each restart in a row
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0  # up this long after a restart: the next death counts from 1 again
 
 
 def _die_with_parent() -> None:
@@ -32,6 +49,82 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What one replica gets of the machine: ``env`` (set in its environment), ``args`` (added
+    to its command line), ``note`` (for the log)."""
+
+    env: dict[str, str]
+    args: list[str]
+    note: str
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` names them."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch CUDA at all: no GPU
+        return []
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+              if d.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def place(dp_size: int, per_replica: int, gpus: list[str], cpus: int,
+          mem_fraction: float | None, env: Mapping[str, str]) -> list[Placement]:
+    """Each replica's share. ``per_replica``: devices one replica uses (tp_size x pp_size);
+    ``gpus``: the visible GPUs (empty: the replicas run on the CPU); ``cpus``: the cores this
+    process may use; ``mem_fraction``: the --mem-fraction-static given (None: the CPU default);
+    ``env``: this process's environment (an OMP_NUM_THREADS set there is kept per replica).
+    ValueError when the GPUs are too few for a device of their own per replica."""
+    if gpus:
+        need = dp_size * per_replica
+        if len(gpus) < need:
+            raise ValueError(f"--dp-size {dp_size} x {per_replica} GPU(s) per replica (--tp-size "
+                             f"x --pp-size) needs {need} GPUs, {len(gpus)} visible "
+                             f"({','.join(gpus)}): replicas would share devices; lower "
+                             f"--dp-size or --tp-size, or make more GPUs visible")
+        out = []
+        for i in range(dp_size):
+            mine = ",".join(gpus[i * per_replica:(i + 1) * per_replica])
+            out.append(Placement({"CUDA_VISIBLE_DEVICES": mine}, [],
+                                 f"GPU(s) {mine} (CUDA_VISIBLE_DEVICES={mine})"))
+        return out
+    from engine.memory.sizing import DEFAULT_MEM_FRACTION
+
+    given = env.get("OMP_NUM_THREADS")
+    threads = given if given else str(max(1, cpus // dp_size))
+    whole = mem_fraction if mem_fraction is not None else DEFAULT_MEM_FRACTION["cpu"]
+    fraction = f"{whole / dp_size:.4g}"
+    how = "as OMP_NUM_THREADS is set" if given else f"of {cpus} cores / {dp_size} replicas"
+    note = (f"CPU: {threads} thread(s) ({how}), --mem-fraction-static {fraction} (the "
+            f"memory fraction {whole:g} / {dp_size} replicas)")
+    return [Placement({"OMP_NUM_THREADS": threads}, ["--mem-fraction-static", fraction], note)
+            for _ in range(dp_size)]
+
+
+def without_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``args`` less each of ``flags`` with its value (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 @dataclass(eq=False)
 class Replica:
     rank: int
@@ -39,8 +132,13 @@ class Replica:
     proc: subprocess.Popen | None = None
     load: int = 0  # requests in flight through the front
     routed: int = 0  # requests the front sent it
-    alive: bool = True
+    alive: bool = True  # in rotation
     error: str | None = None  # why it is out of rotation
+    restarts: int = 0  # processes started after the first
+    failures: int = 0  # deaths in a row (reset once it stayed up STABLE_S)
+    restart_at: float | None = None  # monotonic time of the restart scheduled
+    gave_up: bool = False  # dead for good: max_restarts reached
+    up_since: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -59,22 +157,41 @@ class Replica:
 
 
 class ReplicaSet:
-    """Starts ``dp_size`` replicas of ``engine serve <args>``; ``stop()`` ends them."""
+    """Starts ``dp_size`` replicas of ``engine serve <args>``; ``stop()`` ends them.
+    ``placements``: each replica's share (:func:`place`; None: nothing added);
+    ``api_key``: passed in each replica's environment; ``cmd``: the command line of a replica
+    on a port (tests start something else)."""
 
-    def __init__(self, dp_size: int, args: list[str]):
+    def __init__(self, dp_size: int, args: list[str], api_key: str | None = None,
+                 placements: list[Placement] | None = None, max_restarts: int = MAX_RESTARTS,
+                 backoff_s: float = RESTART_BACKOFF_S, cmd=None):
         self.replicas = [Replica(rank, free_port()) for rank in range(dp_size)]
-        self.args = args
+        self.args, self.api_key = args, api_key
+        self.placements = placements or [Placement({}, [], "") for _ in range(dp_size)]
+        self.max_restarts, self.backoff_s = max_restarts, backoff_s
+        self.cmd = cmd or (lambda args, port: [sys.executable, "-c", _CLI, "serve", *args,
+                                               "--host", "127.0.0.1", "--port", str(port)])
+        self.stopping = False
 
     def start(self) -> None:
         for r in self.replicas:
-            cmd = [sys.executable, "-c", _CLI, "serve", *self.args, "--host", "127.0.0.1",
-                   "--port", str(r.port)]
-            r.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent, env=dict(os.environ))
-            threading.Thread(target=_relay, args=(r,), daemon=True,
-                             name=f"dp{r.rank}-log").start()
-            logger.info(f"dp rank {r.rank}: started pid {r.proc.pid} on {r.url}")
+            if self.placements[r.rank].note:
+                logger.info(f"dp rank {r.rank} gets {self.placements[r.rank].note}")
+            self._spawn(r)
+
+    def _spawn(self, r: Replica) -> None:
+        placement = self.placements[r.rank]
+        env = {**os.environ, **placement.env}
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        r.proc = subprocess.Popen(self.cmd([*self.args, *placement.args], r.port),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                  preexec_fn=_die_with_parent, env=env)
+        threading.Thread(target=_relay, args=(r.rank, r.proc), daemon=True,
+                         name=f"dp{r.rank}-log").start()
+        logger.info(f"dp rank {r.rank}: started pid {r.proc.pid} on {r.url}")
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Until every replica answers /health 200; RuntimeError naming the replica that exited
@@ -91,6 +208,7 @@ class ReplicaSet:
                 try:
                     if httpx.get(r.url + "/health", timeout=2).status_code == 200:
                         pending.remove(r)
+                        r.up_since = time.monotonic()
                         logger.info(f"dp rank {r.rank} is ready")
                 except httpx.HTTPError:
                     pass
@@ -101,13 +219,60 @@ class ReplicaSet:
                 time.sleep(0.2)
 
     def check_exits(self) -> None:
-        """Take every replica whose process exited out of rotation (called periodically)."""
+        """Take every replica whose process exited out of rotation, and schedule its restart
+        (called periodically)."""
+        now = time.monotonic()
         for r in self.replicas:
             code = r.proc.poll() if r.proc else None
-            if r.alive and code is not None:
-                how = (f"killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with code {code}")
-                r.mark_dead(f"process {r.proc.pid} {how}")
+            if code is None or r.restart_at is not None or r.gave_up:
+                continue
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+            if not r.mark_dead(f"process {r.proc.pid} {how}"):  # already out of rotation
+                r.error = f"process {r.proc.pid} {how}"
+                logger.error(f"dp rank {r.rank} ({r.url}): {r.error}")
+            if self.stopping:
+                continue
+            if r.up_since is not None and now - r.up_since >= STABLE_S:
+                r.failures = 0
+            r.up_since = None
+            if r.failures >= self.max_restarts:
+                r.gave_up = True
+                r.error = (f"{r.error}; not restarted: it died {r.failures} time(s) in a row "
+                           f"(at most {self.max_restarts} restarts)")
+                logger.error(f"dp rank {r.rank}: giving up after {r.failures} restart(s) in a "
+                             f"row; it stays out of rotation")
+                continue
+            delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** r.failures)
+            r.failures += 1
+            r.restart_at = now + delay
+            logger.warning(f"dp rank {r.rank}: restarting it in {delay:g} s (restart "
+                           f"{r.failures} of at most {self.max_restarts} in a row)")
+
+    def restart_due(self) -> None:
+        """Start the replicas whose restart time has come (out of rotation until healthy)."""
+        now = time.monotonic()
+        for r in self.replicas:
+            if r.restart_at is not None and now >= r.restart_at and not self.stopping:
+                r.restart_at = None
+                r.port = free_port()
+                r.restarts += 1
+                r.error = f"restarting (restart {r.restarts}), not healthy yet"
+                self._spawn(r)
+
+    def readmit(self, r: Replica) -> None:
+        """``r``'s process answers /health 200: back into rotation."""
+        with r._lock:
+            if r.alive:
+                return
+            r.alive, r.error, r.up_since = True, None, time.monotonic()
+        logger.warning(f"dp rank {r.rank} ({r.url}, pid {r.proc.pid}) is healthy again: back "
+                       f"in rotation")
+
+    def recovering(self) -> list[Replica]:
+        """Out of rotation with a process running: the ones to probe for health."""
+        return [r for r in self.replicas if not r.alive and not r.gave_up and r.proc
+                and r.proc.poll() is None and r.restart_at is None]
 
     def exited(self, r: Replica, timeout: float) -> bool:
         """Whether ``r``'s process exits within ``timeout`` s (then it is out of rotation)."""
@@ -124,6 +289,7 @@ class ReplicaSet:
     def stop(self, grace: float) -> None:
         """SIGTERM every replica (each drains its in-flight requests for ``grace`` s), then
         SIGKILL the ones still running after ``grace`` + 10 s."""
+        self.stopping = True
         procs = [r.proc for r in self.replicas if r.proc and r.proc.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -138,8 +304,8 @@ class ReplicaSet:
                 p.wait(10)
 
 
-def _relay(r: Replica) -> None:
+def _relay(rank: int, proc: subprocess.Popen) -> None:
     """Copy a replica's output to this process's stderr, each line prefixed with its rank."""
-    for line in iter(r.proc.stdout.readline, b""):
-        sys.stderr.write(f"[dp{r.rank}] " + line.decode(errors="replace"))
+    for line in iter(proc.stdout.readline, b""):
+        sys.stderr.write(f"[dp{rank}] " + line.decode(errors="replace"))
         sys.stderr.flush()
