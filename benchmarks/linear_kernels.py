@@ -8,18 +8,35 @@ from memory as they do in a real step (random weights of the model's shapes). Pa
 - ``oneDNN``: float32 weights prepacked for oneDNN (the engine's float32 path on CPU);
 - ``fbgemm int8``: ``--quantization w8a8_int8``'s CPU kernel (engine-quant-int8), per-token int8
   activations; its LM head stays float32 (oneDNN), as the engine runs it;
-- ``fp16 weights``: fbgemm's fp16-weight GEMM (``linear_dynamic_fp16``: weights stored in
+- ``fbgemm fp16``: fbgemm's fp16-weight GEMM (``linear_dynamic_fp16``: weights stored in
   float16, converted on the fly, float32 arithmetic; llama.cpp's approach for F16 GGUFs), LM head
-  included: the engine's path with ``--dtype float16`` on a CPU.
+  included: the core's path with ``--dtype float16`` on a CPU (ENGINE_LINEAR_KERNEL=torch);
+- ``F.linear bf16``: bfloat16 weights and activations through torch (oneDNN): the core's path
+  with ``--dtype bfloat16`` on a CPU (ENGINE_LINEAR_KERNEL=torch);
+- engine-cpu-kernels' GEMMs (when installed), each instruction set this CPU has, the AVX2 ones
+  too on an AVX-512 CPU (what ENGINE_CPU_ISA=avx2 runs): ``avx512_bf16`` (vdpbf16ps) and
+  ``avx512_bf16_fma`` / ``avx2_bf16`` (widened + FMA) on bfloat16 activations, as a
+  ``--dtype bfloat16`` model runs them; ``avx512_fp16`` / ``avx2_fp16`` on float32 activations
+  (``--dtype float16``); ``avx512_q8_0`` (vpdpbusd) / ``avx2_q8_0`` on GGUF Q8_0 blocks.
 
-Prints milliseconds per step, GFLOP/s and the speed-up over ``F.linear``.
+Prints, per path and M, milliseconds per step (each linear's best of --reps steps, summed),
+GFLOP/s, the fraction of the machine's arithmetic peak for the instruction the path is built on
+(measured first: 12 independent chains of that instruction per thread, on --threads threads,
+the best of many short runs on one core, times the threads), the weight bytes streamed per
+second and their fraction of the machine's memory bandwidth (a 256 MiB torch copy, read + write
+bytes per second, and a 256 MiB torch sum, reads only; the best of several), and the speed-up
+over ``F.linear``. On a machine shared with other work (2 cores,
+other processes' tests), every figure is a best of several runs and still noisy: rerun and
+take the best.
 
-    python benchmarks/linear_kernels.py [--model default] [--batch-sizes 1,16,64,256] [--no-head]
+    python benchmarks/linear_kernels.py [--model default] [--batch-sizes 1,16,64,512] [--no-head]
+        [--paths avx512_bf16,avx2_bf16,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import time
 
 import torch
@@ -38,11 +55,45 @@ def layer_shapes(c) -> list[tuple[int, int]]:
             (c.hidden_size, c.intermediate_size)]
 
 
-def build_paths(c, with_int8: bool):
-    """{path: (list of (weight handle, in_features), head handle, fn(x, handle))}."""
+class Path:
+    """One way to run the step: ``fn(x, handle)`` over ``layers`` [(handle, in_features)] and
+    ``head``; activations in ``x_dtype``; ``peak`` names the instruction it is built on;
+    ``weight_bytes``: (the layers', the head's) as stored."""
+
+    def __init__(self, layers, head, fn, x_dtype=torch.float32, peak="avx512 FMA (fp32)",
+                 weight_bytes=(0, 0)):
+        self.layers, self.head, self.fn, self.x_dtype = layers, head, fn, x_dtype
+        self.peak, self.weight_bytes = peak, weight_bytes
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return ""
+    keep = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+            "avx512_vnni", "amx_bf16")
+    return " ".join(f for f in keep if f in flags)
+
+
+def build_paths(c, with_int8: bool, plugin_paths: list[str] | None, fp32_peak: str):
+    """{name: Path}"""
     shapes = layer_shapes(c)
     weights = [torch.randn(o, i) * SCALE for _ in range(c.num_layers) for o, i in shapes]
     head = torch.randn(c.vocab_size, c.hidden_size) * SCALE
+    n_layers, n_head = sum(w.numel() for w in weights), head.numel()
 
     def onednn(w):
         return torch.ops.mkldnn._reorder_linear_weight(w, 64)
@@ -51,8 +102,10 @@ def build_paths(c, with_int8: bool):
         return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
 
     paths = {
-        "F.linear": ([(w, w.shape[1]) for w in weights], head, F.linear),
-        "oneDNN": ([(onednn(w), w.shape[1]) for w in weights], onednn(head), run_onednn),
+        "F.linear": Path([(w, w.shape[1]) for w in weights], head, F.linear, peak=fp32_peak,
+                         weight_bytes=(4 * n_layers, 4 * n_head)),
+        "oneDNN": Path([(onednn(w), w.shape[1]) for w in weights], onednn(head), run_onednn,
+                       peak=fp32_peak, weight_bytes=(4 * n_layers, 4 * n_head)),
     }
     if with_int8:
         from engine_quant_int8 import kernels
@@ -68,39 +121,123 @@ def build_paths(c, with_int8: bool):
                 return run_onednn(x, p)
             return kernels.fbgemm_linear(x, p, False)
 
-        paths["fbgemm int8"] = ([(pack8(w), w.shape[1]) for w in weights], packed_head,
-                                run_int8)
+        paths["fbgemm int8"] = Path(
+            [(pack8(w), w.shape[1]) for w in weights], packed_head, run_int8,
+            peak=fp32_peak, weight_bytes=(n_layers, 4 * n_head))
     fp16 = torch.ops.quantized.linear_prepack_fp16
-    paths["fp16 weights"] = ([(fp16(w, None), w.shape[1]) for w in weights], fp16(head, None),
-                             torch.ops.quantized.linear_dynamic_fp16)
+    paths["fbgemm fp16"] = Path([(fp16(w, None), w.shape[1]) for w in weights], fp16(head, None),
+                                torch.ops.quantized.linear_dynamic_fp16, peak=fp32_peak,
+                                weight_bytes=(2 * n_layers, 2 * n_head))
+    paths["F.linear bf16"] = Path([(w.bfloat16(), w.shape[1]) for w in weights], head.bfloat16(),
+                                  F.linear, torch.bfloat16, peak="avx512 vdpbf16ps",
+                                  weight_bytes=(2 * n_layers, 2 * n_head))
+    if plugin_paths is not None:
+        from engine_cpu_kernels.ops import KERNELS
+
+        for k in KERNELS:
+            if plugin_paths and k.name not in plugin_paths:
+                continue
+            reason = k.unavailable_reason()
+            if reason:
+                print(f"({k.name}: {reason})")
+                continue
+            packed = [(k.pack(w), w.shape[1]) for w in weights]
+            k_head = k.pack(head)
+            x_dtype = torch.bfloat16 if k.weight_dtype == "bfloat16" else torch.float32
+            peak = {"avx512_bf16": "avx512 vdpbf16ps", "avx512_q8_0": "avx512 vpdpbusd (int8)",
+                    "avx2_q8_0": fp32_peak}.get(k.name, fp32_peak)
+            if k.name.startswith("avx2"):
+                peak = "avx2 FMA (fp32)"
+            paths[k.name] = Path(packed, k_head, k.linear, x_dtype, peak,
+                                 (sum(p.nbytes for p, _ in packed), k_head.nbytes))
     return paths
 
 
-def step_ms(layers, head, fn, m: int, hidden: int, reps: int) -> float:
-    inputs = {k: torch.randn(m, k) for k in {i for _, i in layers} | {hidden}}
+def step_runner(path: Path, m: int, hidden: int, head: bool):
+    """One step of ``path`` at ``m`` rows, as a function returning each linear's seconds."""
+    inputs = {k: torch.randn(m, k).to(path.x_dtype) for k in {i for _, i in path.layers} | {hidden}}
+    calls = [(w, inputs[i]) for w, i in path.layers] + ([(path.head, inputs[hidden])] if head
+                                                         else [])
+    fn, clock = path.fn, time.perf_counter
 
-    def once():
-        for w, i in layers:
-            fn(inputs[i], w)
-        if head is not None:
-            fn(inputs[hidden], head)
+    def once() -> list[float]:
+        times = []
+        for w, x in calls:
+            start = clock()
+            fn(x, w)
+            times.append(clock() - start)
+        return times
 
-    once()
+    once()  # warm-up: first-touch, scratch buffers
+    return once
+
+
+def best_ms(paths: dict[str, Path], m: int, hidden: int, reps: int, head: bool) -> dict:
+    """Per path, the sum over the step's linears of each one's best time over ``reps`` steps.
+    The linears run in the step's order, so each one's weights come from memory as in a real
+    step, but each is timed alone: on a machine shared with other work, a whole step is rarely
+    left alone, one linear (milliseconds at most) often is. The paths take turns within each
+    repetition, so that a burst of other work hits them alike."""
+    runs = {name: step_runner(path, m, hidden, head) for name, path in paths.items()}
+    best: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for name, once in runs.items():
+            times = once()
+            best[name] = [min(a, b) for a, b in zip(best.get(name, times), times)]
+    return {name: sum(t) * 1e3 for name, t in best.items()}
+
+
+def copy_bandwidth(reps: int = 20) -> float:
+    """GB/s of a 256 MiB torch copy, read + write bytes (the best of ``reps``)."""
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        once()
+        dst.copy_(src)
         best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def read_bandwidth(reps: int = 20) -> float:
+    """GB/s of a 256 MiB torch sum (reads only; the best of ``reps``)."""
+    src = torch.ones(64 << 20)
+    src.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best / 1e9
+
+
+def measure_peaks(threads: int) -> dict[str, float]:
+    """One core's peak (the best of many short runs on one thread) times ``threads``: on a
+    machine shared with other work, runs on all cores at once are rarely left alone, and the
+    cores are alike."""
+    try:
+        from engine_cpu_kernels import kernel
+    except ImportError:
+        return {}
+    try:
+        return {k: v * threads for k in kernel.PEAK_KINDS
+                if (v := kernel.peak(k, 1, seconds=0.02, reps=50)) is not None}
+    except kernel.KernelUnavailable as e:
+        print(f"(no peak measurement: {e})")
+        return {}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT,
                     help="'default' (SmolLM2-135M-Instruct's shapes, the default) or a path")
-    ap.add_argument("--batch-sizes", default="1,16,64,256")
-    ap.add_argument("--reps", type=int, default=5, help="best of this many steps")
+    ap.add_argument("--batch-sizes", default="1,16,64,512")
+    ap.add_argument("--reps", type=int, default=10,
+                    help="best of this many steps (a third of them from 256 rows)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--paths", default="",
+                    help="only these paths (comma-separated names, as printed)")
     ap.add_argument("--no-head", action="store_true",
                     help="the decoder layers only, as a prompt chunk runs them (its LM head "
                          "runs for the last token alone)")
@@ -112,23 +249,51 @@ def main():
         with_int8 = True
     except ImportError:
         with_int8 = False
-    paths = build_paths(c, with_int8)
+    try:
+        import engine_cpu_kernels  # noqa: F401
+        plugin_paths: list[str] | None = []
+    except ImportError:
+        plugin_paths = None
+    only = [p for p in args.paths.split(",") if p]
+    if plugin_paths is not None and only:
+        plugin_paths = only
+    peaks = measure_peaks(args.threads)
+    fp32_peak = "avx512 FMA (fp32)" if "avx512 FMA (fp32)" in peaks else "avx2 FMA (fp32)"
+    bandwidth, read_bw = copy_bandwidth(), read_bandwidth()
+    paths = build_paths(c, with_int8, plugin_paths, fp32_peak)
+    if only:
+        paths = {k: v for k, v in paths.items() if k in only or k == "F.linear"}
     params = sum(o * i for o, i in layer_shapes(c)) * c.num_layers \
         + (0 if args.no_head else c.vocab_size * c.hidden_size)
     head = "no LM head" if args.no_head else f"LM head {c.vocab_size} x {c.hidden_size}"
+    print(f"CPU: {cpu_name()} ({cpu_flags()}), {args.threads} threads")
+    print(f"peak (one core measured x {args.threads}, GFLOP/s; int8: GOP/s): " + (", ".join(
+        f"{k} {v:.0f}" for k, v in peaks.items()) or "not measured (no engine-cpu-kernels)"))
+    print(f"memory bandwidth: 256 MiB torch copy {bandwidth:.1f} GB/s (read + write bytes), "
+          f"256 MiB torch sum {read_bw:.1f} GB/s (reads)")
     print(f"{c.num_layers} layers x {layer_shapes(c)} (out, in) + {head}: "
-          f"{params / 1e6:.1f}M weights, "
-          f"{args.threads} threads; ms per step (GFLOP/s), speed-up over F.linear")
+          f"{params / 1e6:.1f}M weights")
     if not with_int8:
-        print("(engine-quant-int8 is not installed: no fbgemm int8 column)")
-    print(f"{'M':>6} " + " ".join(f"{p:>24}" for p in paths))
+        print("(engine-quant-int8 is not installed: no fbgemm int8 path)")
+    if plugin_paths is None:
+        print("(engine-cpu-kernels is not installed: none of its paths)")
+    print(f"{'M':>4} {'path':>16} {'ms/step':>9} {'GFLOP/s':>8} {'% peak':>7} {'weights GB/s':>13} "
+          f"{'% copy':>6} {'% read':>6} {'vs F.linear':>11}")
     for m in [int(b) for b in args.batch_sizes.split(",")]:
-        cells, base = [], None
-        for layers, head, fn in paths.values():
-            ms = step_ms(layers, None if args.no_head else head, fn, m, c.hidden_size, args.reps)
+        base = None
+        reps = args.reps if m < 256 else max(2, args.reps // 3)
+        times = best_ms(paths, m, c.hidden_size, reps, not args.no_head)
+        for name, path in paths.items():
+            ms = times[name]
             base = base or ms
-            cells.append(f"{ms:8.1f} ({2 * m * params / ms / 1e6:5.1f}) {base / ms:5.2f}x")
-        print(f"{m:>6} " + " ".join(f"{cell:>24}" for cell in cells))
+            gflops = 2 * m * params / ms / 1e6
+            peak = peaks.get(path.peak)
+            wbytes = path.weight_bytes[0] + (0 if args.no_head else path.weight_bytes[1])
+            gbs = wbytes / ms / 1e6
+            print(f"{m:>4} {name:>16} {ms:9.2f} {gflops:8.1f} "
+                  f"{(f'{100 * gflops / peak:6.0f}%') if peak else '      -':>7} "
+                  f"{gbs:13.1f} {100 * gbs / bandwidth:5.0f}% {100 * gbs / read_bw:5.0f}% "
+                  f"{base / ms:10.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,12 @@ def hf_with_half_weights(path):
 
 @pytest.mark.parametrize("tiny_model_dir", list(TINY_CASES), indirect=True)
 def test_half_weights_on_cpu_match_hf_on_the_rounded_weights(tiny_model_dir, registries,
-                                                             cpu_device):
+                                                             cpu_device, monkeypatch):
     """--dtype float16 on a CPU: float16 linear weights (fbgemm's fp16 GEMM), float32 arithmetic,
     float32 activations and KV cache. Equal, within float32 rounding, to HF run in float32 on the
-    float16-rounded weights; greedy tokens equal too."""
+    float16-rounded weights; greedy tokens equal too. (The core's own kernel: a plugin's
+    float16 kernel, engine-cpu-kernels', has its own test.)"""
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "torch")
     runner = make_runner(tiny_model_dir, registries, cpu_device, dtype="float16")
     assert runner.dtype == torch.float32 and runner.kv_pool.dtype == torch.float32
     assert "float16 linear weights" in runner.dtype_reason

@@ -255,6 +255,26 @@ def exercise_parallel(module, cpu_device, tiny_model_factory):
         dist.destroy_process_group()
 
 
+def exercise_linear_kernel(module, cpu_device, tiny_model_factory):
+    """Picked for a bfloat16 model's linears on a CPU (the only kernel for them in these
+    registries), named in the log, and the model's logits are those of the core's path."""
+    from engine.runner import ModelRunner
+    from engine.testing import prefill_logits
+
+    _, regs = registries_with(module)
+    assert regs.linear_kernels.get("bf16_torch").extra["weight_dtype"] == "bfloat16"
+    runners = []
+    for r in (regs, None):  # None: no plugin kernels, the core's bfloat16 F.linear
+        runner = ModelRunner(tiny_model_factory(), registries=r or registries_with()[1],
+                             device=cpu_device, dtype="bfloat16")
+        runner.init_kv_pool(256)
+        runners.append(runner)
+    assert "bfloat16 weights, bf16_torch kernel" in runners[0].linear_kernel
+    assert "F.linear" in runners[1].linear_kernel
+    ours, core = (prefill_logits(r, [[1, 5, 9, 13]]).float() for r in runners)
+    assert (ours - core).abs().max() <= 0.03 * max(1.0, core.abs().max().item())
+
+
 EXERCISES = {name[len("exercise_"):]: fn for name, fn in globals().items()
              if name.startswith("exercise_")}
 

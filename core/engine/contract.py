@@ -41,6 +41,7 @@ HOOK_REGISTRY = {
     "register_quantization_methods": "quantization", "register_schedule_policies": "policies",
     "register_parallel_strategies": "parallel", "register_models": "models",
     "register_routing_policies": "routing", "register_grammar_backends": "grammar",
+    "register_linear_kernels": "linear_kernels",
 }
 
 

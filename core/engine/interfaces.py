@@ -160,6 +160,27 @@ class QuantMethod(ABC):
         """Post-process one module after all weights are loaded (check, repack, ...)."""
 
 
+class LinearKernel(ABC):
+    """A GEMM for the model's linear layers with weights packed once at load in the kernel's
+    own layout (``register_linear_kernels``): ``prepack_linears`` calls :meth:`pack` on each
+    layer's weight and :meth:`linear` in its forward, for every number of rows (the kernel
+    chooses how to run a large batch). ``linear`` returns the activations' dtype and must not
+    keep ``x``; it is called inside torch.compile graphs through an opaque custom op."""
+
+    @abstractmethod
+    def pack(self, weight: torch.Tensor) -> Any:
+        """``weight`` [out, in] in the model's dtype -> the packed weight (any object)."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, packed: Any,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [..., in] -> ``x @ W.T + bias`` [..., out]."""
+
+    def packed_bytes(self, packed: Any) -> int:
+        """Bytes the packed weight holds (the weight memory the engine reports)."""
+        return 0
+
+
 class ParallelStrategy(ABC):
     """How the ranks of ``--tp-size`` x ``--pp-size`` talk: a torch.distributed backend for
     one device type. ``--parallel-strategy auto`` takes the one registered for the device

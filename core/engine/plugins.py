@@ -141,6 +141,10 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
             (lambda device=None: check()) if check else None, priority=priority,
             description=description)
 
+    def linear_kernel(name, kernel, *, weight_dtype, check=None, priority=0, description=""):
+        add(regs.linear_kernels, "linear_kernels", name, kernel, check,
+            weight_dtype=weight_dtype, priority=priority, description=description)
+
     def model(arch, cls):
         add(regs.models, "models", arch, cls)
 
@@ -153,7 +157,7 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         "register_quantization_methods": quantization, "register_schedule_policies": policy,
         "register_parallel_strategies": parallel, "register_models": model,
         "register_serve_options": serve_option, "register_routing_policies": routing,
-        "register_grammar_backends": grammar,
+        "register_grammar_backends": grammar, "register_linear_kernels": linear_kernel,
     }[hook]
 
 
@@ -161,6 +165,7 @@ REGISTRATION_HOOKS = (
     "register_kv_cache_dtypes", "register_attention_backends", "register_quantization_methods",
     "register_schedule_policies", "register_parallel_strategies", "register_models",
     "register_serve_options", "register_routing_policies", "register_grammar_backends",
+    "register_linear_kernels",
 )
 
 

@@ -153,13 +153,14 @@ class Registries:
     models: Registry = field(default_factory=lambda: Registry("model architecture"))
     routing: Registry = field(default_factory=lambda: Registry("routing policy"))
     grammar: Registry = field(default_factory=lambda: Registry("grammar backend"))
+    linear_kernels: Registry = field(default_factory=lambda: Registry("linear kernel"))
     serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
 
     def all(self) -> dict[str, Registry]:
         return {"attention": self.attention, "kv_dtypes": self.kv_dtypes,
                 "quantization": self.quantization, "policies": self.policies,
                 "parallel": self.parallel, "models": self.models, "routing": self.routing,
-                "grammar": self.grammar}
+                "grammar": self.grammar, "linear_kernels": self.linear_kernels}
 
 
 def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
@@ -309,3 +310,27 @@ def resolve_grammar_backend(regs: Registries, name: str) -> Entry | None:
             f"grammar backend '{entry.name}' ({entry.origin}) is installed but unusable here: "
             f"{reason}. Usable: {', '.join(usable) or 'none'} (or --grammar-backend none).")
     return entry
+
+
+def resolve_linear_kernel(regs: Registries, weight_dtype: str, device,
+                          forced: str | None = None) -> Entry | None:
+    """The registered linear kernel for weights in ``weight_dtype`` on ``device``: ``forced``
+    (``ENGINE_LINEAR_KERNEL=NAME``; an error when it cannot run or keeps other weights), else
+    the usable one with the highest priority; None when none is (the core's own kernels run)."""
+    if forced:
+        entry = regs.linear_kernels.get(forced)
+        reason = entry.unavailable_reason(device)
+        if reason is None and entry.extra.get("weight_dtype") != weight_dtype:
+            reason = (f"it keeps {entry.extra.get('weight_dtype')} weights and the model runs "
+                      f"with {weight_dtype} ones")
+        if reason:
+            usable = [e.name for e in regs.linear_kernels
+                      if e.extra.get("weight_dtype") == weight_dtype
+                      and e.unavailable_reason(device) is None]
+            raise BackendUnavailable(
+                f"linear kernel '{entry.name}' ({entry.origin}) cannot run here: {reason}. "
+                f"Usable for {weight_dtype} weights: {', '.join(usable) or 'none'}.")
+        return entry
+    usable = [e for e in regs.linear_kernels if e.extra.get("weight_dtype") == weight_dtype
+              and e.unavailable_reason(device) is None]
+    return max(usable, key=lambda e: e.extra.get("priority", 0), default=None)

@@ -49,11 +49,12 @@ class ModelRunner:
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method, **parallel)
         self.compiled = None
-        # oneDNN-prepacked float32 weights on CPU (float16 ones for fbgemm with --dtype float16),
-        # F.linear elsewhere: the log line says which (a compiled graph calls the packed linears
+        # oneDNN-prepacked float32 weights on CPU (float16 ones for fbgemm with --dtype float16;
+        # a plugin's kernel for float16/bfloat16 weights where one runs on this CPU), F.linear
+        # elsewhere: the log line says which (a compiled graph calls the packed linears
         # as opaque ops, see compile.py)
         self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype,
-                                             half_weights)
+                                             half_weights, registries)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 

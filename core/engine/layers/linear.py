@@ -4,7 +4,11 @@ matmul, which is what makes small-batch CPU decode fast.
 On CPU in float32 the loader prepacks every weight for oneDNN (``prepack_linears``): the weight
 becomes an opaque blocked mkldnn tensor and the forward is ``torch.ops.mkldnn._linear_pointwise``,
 1.5x faster than ``F.linear`` for a whole SmolLM2 step at 16 and 64 rows (1.2-1.3x at 1 and
-256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). Elsewhere (CUDA, other dtypes) the
+256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). With ``--dtype float16`` (float16
+weights, float32 arithmetic) or ``--dtype bfloat16`` on a CPU, a kernel a plugin registered
+through ``register_linear_kernels`` for that weight dtype runs the linears when one is usable on
+this CPU (the highest priority; e.g. engine-cpu-kernels' AVX-512 or AVX2 GEMMs, chosen at run
+time by cpuid), else fbgemm's fp16 GEMM / ``F.linear``. Elsewhere (CUDA, other dtypes) the
 forward stays ``F.linear``.
 
 These are the layers a quantization method may swap (see interfaces.QuantMethod): they say so
@@ -23,7 +27,9 @@ from torch import nn
 
 # the batch size oneDNN picks its weight blocking for; 1 to 256 rows all run near their best
 PREPACK_BATCH_HINT = 64
-LINEAR_KERNEL_ENV = "ENGINE_LINEAR_KERNEL"  # "plain": keep F.linear (for comparisons)
+# "plain": keep F.linear (for comparisons); "torch": the core's own kernels (oneDNN, fbgemm,
+# F.linear), no plugin's; a registered linear kernel's name: that one (an error if it cannot run)
+LINEAR_KERNEL_ENV = "ENGINE_LINEAR_KERNEL"
 
 KERNEL_LOG = {
     "onednn": "float32 weights prepacked for oneDNN (torch.ops.mkldnn._linear_pointwise)",
@@ -65,24 +71,32 @@ def half_weight_reason(device: torch.device) -> str | None:
 
 class PrepackedWeight:
     """Mixin: a module whose ``weight`` [out, in] can be packed once for a faster CPU kernel:
-    ``"onednn"`` (float32, reordered for oneDNN) or ``"fp16"`` (float16 for fbgemm's GEMM,
-    which converts it on the fly and computes in float32).
+    ``"onednn"`` (float32, reordered for oneDNN), ``"fp16"`` (float16 for fbgemm's GEMM,
+    which converts it on the fly and computes in float32) or ``"plugin"`` (a registered
+    :class:`engine.interfaces.LinearKernel`'s own packing).
 
     With ``keep_plain`` (a head tied to the embedding, which still reads the plain weight) the
     packed copy is kept beside it; otherwise it replaces it (no second copy)."""
 
     packed = False
-    packed_kind = ""  # "onednn" or "fp16" once packed
+    packed_kind = ""  # "onednn", "fp16" or "plugin" once packed
+    kernel = None  # the LinearKernel of a "plugin" packing
     tied = False  # the weight is shared (a head tied to the embedding): keep it beside the copy
     packed_id = -1  # index in PACKED, how the compiled graph's custom op finds the weight
     opaque_bytes = 0  # bytes of a packed weight that is no tensor (fbgemm's), for weight_bytes
 
-    def prepack(self, kind: str = "onednn", keep_plain: bool = False) -> None:
+    def prepack(self, kind: str = "onednn", keep_plain: bool = False, kernel=None) -> None:
         weight = self.weight.detach()
         self.out_features = weight.shape[0]
         self.packed_id = len(PACKED)
         PACKED.append(weakref.ref(self))
-        if kind == "fp16":  # an opaque fbgemm object, not a tensor: an attribute, not a buffer
+        if kind == "plugin":  # the kernel's own object: an attribute, like fbgemm's
+            self.packed_weight = kernel.pack(weight)
+            self.kernel = kernel
+            self.opaque_bytes = kernel.packed_bytes(self.packed_weight)
+            if not keep_plain:
+                del self.weight
+        elif kind == "fp16":  # an opaque fbgemm object, not a tensor: an attribute, not a buffer
             self.packed_weight = torch.ops.quantized.linear_prepack_fp16(weight, None)
             self.opaque_bytes = weight.numel() * 2
             if not keep_plain:
@@ -100,6 +114,8 @@ class PrepackedWeight:
         self.packed, self.packed_kind = True, kind
 
     def packed_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed_weight, bias)
         if self.packed_kind == "fp16":
             y = torch.ops.quantized.linear_dynamic_fp16(x, self.packed_weight)
             return y if bias is None else y.add_(bias)
@@ -130,12 +146,55 @@ def _(x, packed_id, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def plugin_weight_dtype(device: torch.device, dtype: torch.dtype,
+                        half_weights: bool) -> str | None:
+    """The weight dtype a registered linear kernel would keep here: "float16" for
+    ``--dtype float16`` on a CPU, "bfloat16" for a bfloat16 model on a CPU; else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    if half_weights:
+        return "float16"
+    return "bfloat16" if dtype == torch.bfloat16 else None
+
+
+def plugin_kernel(registries, device: torch.device, dtype: torch.dtype, half_weights: bool):
+    """The registry entry of the plugin kernel that runs the linears here, or None (the
+    core's own kernels run): see ``register_linear_kernels``."""
+    forced = os.environ.get(LINEAR_KERNEL_ENV, "auto")
+    if registries is None or forced in ("plain", "torch"):
+        return None
+    from engine.registry import EngineError, resolve_linear_kernel
+
+    weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
+    if weight_dtype is None:
+        if forced != "auto":
+            raise EngineError(f"{LINEAR_KERNEL_ENV}={forced} asks for a plugin's linear kernel, "
+                              f"and the model's linears run in {dtype} on {device}: plugin "
+                              f"kernels take --dtype float16 or bfloat16 on a CPU.")
+        return None
+    return resolve_linear_kernel(registries, weight_dtype, torch.device(device),
+                                 None if forced == "auto" else forced)
+
+
 def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                    half_weights: bool = False) -> str:
-    """Pack every plain linear weight of ``model`` for the CPU kernel that runs here: float16
-    for fbgemm with ``half_weights`` (``--dtype float16`` on a CPU; the caller checked
+                    half_weights: bool = False, registries=None) -> str:
+    """Pack every plain linear weight of ``model`` for the CPU kernel that runs here: a
+    plugin's kernel registered for the weight dtype (float16 with ``half_weights``, bfloat16
+    for a bfloat16 model; ``registries`` given, see ``plugin_kernel``), else float16 for
+    fbgemm with ``half_weights`` (``--dtype float16`` on a CPU; the caller checked
     ``half_weight_reason``), else float32 for oneDNN where it runs. Returns the log line that
     says which kernel the linear layers use."""
+    entry = plugin_kernel(registries, device, dtype, half_weights)
+    if entry is not None:
+        n = 0
+        for module in model.modules():
+            if isinstance(module, PrepackedWeight) and not module.packed:
+                module.prepack("plugin", keep_plain=module.tied, kernel=entry.obj)
+                n += 1
+        weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
+        what = entry.extra.get("description")
+        return (f"linear layers: {n} {weight_dtype} weights, {entry.name} kernel "
+                f"({entry.dist}{': ' + what if what else ''})")
     if half_weights:
         kind = "fp16"
     else:

@@ -1,0 +1,24 @@
+"""Small-batch CPU GEMMs for the linear layers (``register_linear_kernels``): float16,
+bfloat16 and Q8_0 weights, an AVX2+FMA+F16C path and an AVX-512 one (vdpbf16ps, vpdpbusd),
+chosen at run time by cpuid. The C library is built on first use with the system compiler."""
+
+from engine import hookimpl
+
+ENGINE_HOOKS_VERSION = "1.2"  # register_linear_kernels
+
+
+def _checker(kernel):
+    return lambda device=None: kernel.check(device)
+
+
+@hookimpl
+def register_linear_kernels(register):
+    from engine_cpu_kernels.ops import KERNELS
+
+    # AVX-512 before AVX2; for bfloat16 vdpbf16ps before widening + FMA (measured faster at
+    # every row count: benchmarks/linear_kernels.py)
+    priority = {"avx512_bf16": 30, "avx512_bf16_fma": 20, "avx512_fp16": 30,
+                "avx512_q8_0": 30, "avx2_bf16": 10, "avx2_fp16": 10, "avx2_q8_0": 10}
+    for k in KERNELS:
+        register(k.name, k, weight_dtype=k.weight_dtype, check=_checker(k),
+                 priority=priority[k.name], description=k.description)

@@ -1,0 +1,135 @@
+"""Build the C GEMM library once per machine and load it with ctypes.
+
+The source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) into
+``$ENGINE_CACHE_DIR/kernels`` (default ``~/.cache/engine/kernels``), keyed by a hash of the
+source, the flags and the compiler's version. Nothing is built for the build machine's CPU
+(no ``-march``): the AVX2 and AVX-512 functions carry their own target attributes, and which
+ones run is decided at run time from cpuid (``features()``), so one build runs on any x86-64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # loaded first, so the library's OpenMP dependency resolves to torch's own runtime
+
+SOURCE = Path(__file__).with_name("linear_kernels.c")
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+
+# formats, instruction sets, dtypes and status codes of linear_kernels.c
+FMT_F16, FMT_BF16, FMT_BF16_PAIRS, FMT_Q8_0 = 0, 1, 2, 3
+ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+DT_F32, DT_BF16 = 0, 1
+FEAT_AVX2, FEAT_AVX512, FEAT_AVX512_BF16, FEAT_AVX512_VNNI = 1, 2, 4, 8
+ERRORS = {-1: "unknown weight format", -2: "instruction set not available on this CPU",
+          -3: "K (in_features) must be a multiple of 32 for a block format",
+          -4: "out of memory", -5: "unsupported"}
+ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
+ISA_ENV = "ENGINE_CPU_ISA"  # "avx2" / "scalar": cap the instruction set (tests, comparisons)
+
+
+class KernelUnavailable(Exception):
+    """Why the library cannot be built or run here, in words for the user."""
+
+
+def compiler() -> str | None:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine")
+    return Path(root) / "kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """The loaded library; raises KernelUnavailable with the reason."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"its kernels are x86-64 code, and this is {platform.machine()}")
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("needs a C compiler to build its kernels (gcc or cc on PATH, "
+                                "or $CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()
+    target = cache_dir() / f"linear_kernels-{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            first = (result.stderr.strip().splitlines() or ["no output"])[0]
+            raise KernelUnavailable(f"its kernels failed to build with {cc}: {first}")
+        os.replace(tmp, target)  # atomic: a concurrent build never loads a half-written file
+    lib = ctypes.CDLL(str(target))
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ek_features.argtypes, lib.ek_features.restype = [], INT
+    lib.ek_packed_bytes.argtypes, lib.ek_packed_bytes.restype = [INT, I64, I64], I64
+    lib.ek_pack_half.argtypes, lib.ek_pack_half.restype = [INT, P, I64, I64, P, INT], INT
+    lib.ek_pack_q8_0.argtypes, lib.ek_pack_q8_0.restype = [P, P, I64, I64, P, INT], INT
+    lib.ek_unpack.argtypes, lib.ek_unpack.restype = [INT, P, I64, I64, P], INT
+    lib.ek_linear.argtypes = [INT, INT, P, INT, I64, I64, I64, P, I64, P, P, INT, I64, INT]
+    lib.ek_linear.restype = INT
+    lib.ek_peak.argtypes, lib.ek_peak.restype = [INT, I64, INT], ctypes.c_double
+    return lib
+
+
+def features() -> int:
+    """The FEAT_* bits this CPU has (cpuid, through __builtin_cpu_supports)."""
+    return load().ek_features()
+
+
+def isa_cap() -> int:
+    """The highest instruction set to use: ISA_AVX512, or less where $ENGINE_CPU_ISA says."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced in ("", "auto", "native"):
+        return ISA_AVX512
+    if forced not in ISA_NAMES:
+        raise KernelUnavailable(f"{ISA_ENV}={forced!r} is not one of auto, "
+                                f"{', '.join(ISA_NAMES)}")
+    return ISA_NAMES[forced]
+
+
+def check_status(status: int, what: str) -> None:
+    if status != 0:
+        raise ValueError(f"{what}: {ERRORS.get(status, f'error {status}')}")
+
+
+PEAK_KINDS = {"avx2 FMA (fp32)": 0, "avx512 FMA (fp32)": 1, "avx512 vdpbf16ps": 2,
+              "avx512 vpdpbusd (int8)": 3}
+
+
+def peak(kind: str, threads: int, seconds: float = 0.2, reps: int = 5) -> float | None:
+    """The machine's arithmetic peak for one instruction, in GFLOP/s (int8: GOP/s), measured:
+    the best of ``reps`` runs of 12 independent chains per thread on ``threads`` threads;
+    None when this CPU lacks it."""
+    import time
+
+    lib, code, iters = load(), PEAK_KINDS[kind], 1 << 16
+    if lib.ek_peak(code, 1, 1) < 0:
+        return None
+    start = time.perf_counter()
+    lib.ek_peak(code, iters, threads)
+    iters = max(iters, int(iters * seconds / max(time.perf_counter() - start, 1e-6)))
+    best = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        ops = lib.ek_peak(code, iters, threads)
+        best = max(best, ops / (time.perf_counter() - start) / 1e9)
+    return best

@@ -1,0 +1,866 @@
+/* Small-batch GEMMs for CPU decode: y[M, N] = x[M, K] . W[N, K]^T (+ bias), x and y float32
+ * or bfloat16, W packed once at load in one of these formats:
+ *
+ *   FMT_F16        float16 weights, k-major tiles of 32 output rows: tile[k][32]
+ *   FMT_BF16       bfloat16 weights, the same k-major layout
+ *   FMT_BF16_PAIRS bfloat16 weights for vdpbf16ps: tile[k / 2][32][2] (K padded to even)
+ *   FMT_Q8_0       GGUF Q8_0 blocks (32 int8 and one float16 scale per block of K): per tile
+ *                  and block, 8 groups of [32 rows][4 bytes] (1024 bytes) then 32 float16
+ *                  scales (64 bytes): 34 bytes per 32 weights, as in a GGUF file
+ *
+ * Each tile holds 32 output rows (N is padded to a multiple of 32 with zeros), and a tile's
+ * bytes are contiguous in the order the kernel reads them, so one pass streams the weights.
+ *
+ * Instruction sets, chosen at run time by the caller from ek_features() (cpuid through
+ * __builtin_cpu_supports), never at build time: every function that uses an extension carries
+ * its own target attribute, and one shared object holds all paths:
+ *   ISA_SCALAR  plain C (any CPU; slow, for correctness and odd machines)
+ *   ISA_AVX2    AVX2 + FMA + F16C: float16/bfloat16 converted to float32 and FMA; Q8_0 with
+ *               vpmaddubsw on |w| and sign(x, w) (llama.cpp's trick), activations int8 per block
+ *   ISA_AVX512  AVX-512F/BW/VL: float16/bfloat16 converted + FMA; vdpbf16ps (AVX512_BF16) for
+ *               FMT_BF16_PAIRS; vpdpbusd (AVX512_VNNI) for Q8_0 with activations quantized to
+ *               int8 per block of 32 and offset to unsigned (x + 128; the offset times the
+ *               block's weight sum is subtracted, computed by the same instruction)
+ *
+ * The N tiles are split across nthreads OpenMP threads (torch's libgomp: torch is loaded
+ * before this library). Rows are processed in chunks of 64 so that a chunk's activations stay
+ * in cache while the weights stream; within a chunk, register-blocked micro-kernels run
+ * MR rows x 32 columns at a time.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NR 32          /* output rows per tile */
+#define QK 32          /* weights per quantization block */
+#define Q8_TILE_BLOCK (8 * NR * 4 + NR * 2) /* 1088 bytes: one block of K for one tile */
+#define M_CHUNK 64
+
+enum { FMT_F16 = 0, FMT_BF16 = 1, FMT_BF16_PAIRS = 2, FMT_Q8_0 = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_AVX512_BF16 = 4, FEAT_AVX512_VNNI = 8 };
+enum { EK_OK = 0, EK_BAD_FORMAT = -1, EK_BAD_ISA = -2, EK_BAD_K = -3, EK_NO_MEMORY = -4,
+       EK_UNSUPPORTED = -5 };
+
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define T_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define T_512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#define T_512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+/* Prefetch of the next tile while this one is computed (NULL: none): the tile being computed
+ * streams from memory through the hardware prefetchers; the next one is requested meanwhile, at
+ * the pace of the current one, so that compute and memory traffic overlap. */
+#define PF(p) do { if (pf) _mm_prefetch((const char *)(p), _MM_HINT_T0); } while (0)
+
+/* ---------------------------------------------------------------- features */
+
+int ek_features(void) {
+    __builtin_cpu_init();
+    int f = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        f |= FEAT_AVX2;
+    if ((f & FEAT_AVX2) && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+        f |= FEAT_AVX512;
+        if (__builtin_cpu_supports("avx512bf16")) f |= FEAT_AVX512_BF16;
+        if (__builtin_cpu_supports("avx512vnni")) f |= FEAT_AVX512_VNNI;
+    }
+    return f;
+}
+
+static int isa_ok(int fmt, int isa) {
+    int f = ek_features();
+    if (isa == ISA_SCALAR) return 1;
+    if (isa == ISA_AVX2) return (f & FEAT_AVX2) && fmt != FMT_BF16_PAIRS;
+    if (isa == ISA_AVX512) {
+        if (!(f & FEAT_AVX512)) return 0;
+        if (fmt == FMT_BF16_PAIRS) return (f & FEAT_AVX512_BF16) != 0;
+        if (fmt == FMT_Q8_0) return (f & FEAT_AVX512_VNNI) != 0;
+        return 1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- scalar helpers */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Per-thread scratch, grown as needed (a converted weight tile, converted activations). */
+typedef struct { void *p; size_t cap; } scratch_t;
+static __thread scratch_t tl_tile, tl_act;
+
+static void *scratch(scratch_t *s, size_t bytes) {
+    if (bytes > s->cap) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->cap = s->p ? bytes : 0;
+    }
+    return s->p;
+}
+
+/* ---------------------------------------------------------------- packing */
+
+int64_t ek_packed_bytes(int fmt, int64_t N, int64_t K) {
+    int64_t nt = (N + NR - 1) / NR;
+    switch (fmt) {
+    case FMT_F16:
+    case FMT_BF16: return nt * K * NR * 2;
+    case FMT_BF16_PAIRS: return nt * ((K + 1) / 2 * 2) * NR * 2;
+    case FMT_Q8_0: return K % QK ? EK_BAD_K : nt * (K / QK) * Q8_TILE_BLOCK;
+    }
+    return EK_BAD_FORMAT;
+}
+
+/* src: [N, K] 16-bit values (float16 or bfloat16 bits) for the float formats. */
+int ek_pack_half(int fmt, const uint16_t *src, int64_t N, int64_t K, uint16_t *dst,
+                 int nthreads) {
+    int64_t nt = (N + NR - 1) / NR;
+    if (fmt == FMT_F16 || fmt == FMT_BF16) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t n = t * NR + j;
+                uint16_t *d = dst + t * K * NR + j;
+                for (int64_t k = 0; k < K; k++) d[k * NR] = n < N ? src[n * K + k] : 0;
+            }
+        return EK_OK;
+    }
+    if (fmt == FMT_BF16_PAIRS) {
+        int64_t kp = (K + 1) / 2 * 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t n = t * NR + j;
+                uint16_t *d = dst + t * kp * NR + j * 2;
+                for (int64_t k = 0; k < kp; k++)
+                    d[(k / 2) * NR * 2 + (k & 1)] = (n < N && k < K) ? src[n * K + k] : 0;
+            }
+        return EK_OK;
+    }
+    return EK_BAD_FORMAT;
+}
+
+/* Q8_0: q [N, K] int8, d [N, K / 32] float16 bits (a GGUF Q8_0 tensor's blocks, split). */
+int ek_pack_q8_0(const int8_t *q, const uint16_t *d, int64_t N, int64_t K, uint8_t *dst,
+                 int nthreads) {
+    if (K % QK) return EK_BAD_K;
+    int64_t nt = (N + NR - 1) / NR, nb = K / QK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = dst + (t * nb + b) * Q8_TILE_BLOCK;
+            uint16_t *scales = (uint16_t *)(blk + 8 * NR * 4);
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t n = t * NR + j;
+                for (int g = 0; g < 8; g++)
+                    for (int e = 0; e < 4; e++)
+                        blk[(g * NR + j) * 4 + e] =
+                            n < N ? (uint8_t)q[n * K + b * QK + g * 4 + e] : 0;
+                scales[j] = n < N ? d[n * nb + b] : 0;
+            }
+        }
+    return EK_OK;
+}
+
+/* Back to [N, K] float32 (tests, and a reference for any format). */
+int ek_unpack(int fmt, const void *packed, int64_t N, int64_t K, float *dst) {
+    int64_t nb = K / QK, kp = (K + 1) / 2 * 2;
+    for (int64_t n = 0; n < N; n++) {
+        int64_t t = n / NR, j = n % NR;
+        for (int64_t k = 0; k < K; k++) {
+            float v;
+            if (fmt == FMT_F16 || fmt == FMT_BF16) {
+                uint16_t h = ((const uint16_t *)packed)[t * K * NR + k * NR + j];
+                v = fmt == FMT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+            } else if (fmt == FMT_BF16_PAIRS) {
+                v = bf16_to_f32(
+                    ((const uint16_t *)packed)[t * kp * NR + (k / 2) * NR * 2 + j * 2 + (k & 1)]);
+            } else if (fmt == FMT_Q8_0) {
+                if (K % QK) return EK_BAD_K;
+                const uint8_t *blk = (const uint8_t *)packed + (t * nb + k / QK) * Q8_TILE_BLOCK;
+                int g = (k % QK) / 4, e = k % 4;
+                uint16_t s;
+                memcpy(&s, blk + 8 * NR * 4 + j * 2, 2);
+                v = (float)(int8_t)blk[(g * NR + j) * 4 + e] * f16_to_f32(s);
+            } else {
+                return EK_BAD_FORMAT;
+            }
+            dst[n * K + k] = v;
+        }
+    }
+    return EK_OK;
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* float32 rows of x, converting bfloat16 ones (into per-thread scratch). */
+static const float *act_f32(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx,
+                            int64_t *ld_out) {
+    if (xdt == DT_F32) {
+        *ld_out = ldx;
+        return (const float *)x;
+    }
+    float *buf = scratch(&tl_act, (size_t)(M * K) * 4);
+    if (!buf) return NULL;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++)
+            buf[m * K + k] = bf16_to_f32(((const uint16_t *)x)[m * ldx + k]);
+    *ld_out = K;
+    return buf;
+}
+
+/* bfloat16 rows of x with even K (pairs for vdpbf16ps). */
+static const uint16_t *act_bf16(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx,
+                                int64_t *ld_out) {
+    int64_t kp = (K + 1) / 2 * 2;
+    if (xdt == DT_BF16 && kp == K && ldx % 2 == 0) {
+        *ld_out = ldx;
+        return (const uint16_t *)x;
+    }
+    uint16_t *buf = scratch(&tl_act, (size_t)(M * kp) * 2);
+    if (!buf) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++)
+            buf[m * kp + k] = xdt == DT_BF16 ? ((const uint16_t *)x)[m * ldx + k]
+                                             : f32_to_bf16(((const float *)x)[m * ldx + k]);
+        if (kp > K) buf[m * kp + K] = 0;
+    }
+    *ld_out = kp;
+    return buf;
+}
+
+/* Q8_0 activations, as llama.cpp quantizes them for a Q8_0 dot product: per block of 32,
+ * d = max|x| / 127, q = round(x / d). Written as int8 (offset 128 to uint8 with `offset`)
+ * followed by the float scales: [M, K] bytes, then [M, K / 32] floats. */
+static uint8_t *act_q8(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int offset,
+                       float **scales) {
+    int64_t nb = K / QK;
+    size_t qbytes = (size_t)((M * K + 63) / 64 * 64);
+    uint8_t *buf = scratch(&tl_act, qbytes + (size_t)(M * nb) * 4);
+    if (!buf) return NULL;
+    float *d = (float *)(buf + qbytes);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float v[QK], amax = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                int64_t k = b * QK + i;
+                v[i] = xdt == DT_F32 ? ((const float *)x)[m * ldx + k]
+                                     : bf16_to_f32(((const uint16_t *)x)[m * ldx + k]);
+                amax = fmaxf(amax, fabsf(v[i]));
+            }
+            float dd = amax / 127.0f, id = dd ? 1.0f / dd : 0.0f;
+            d[m * nb + b] = dd;
+            for (int i = 0; i < QK; i++) {
+                int q = (int)roundf(v[i] * id);
+                buf[m * K + b * QK + i] = (uint8_t)(offset ? q + 128 : (int8_t)q);
+            }
+        }
+    *scales = d;
+    return buf;
+}
+
+/* ---------------------------------------------------------------- scalar kernels */
+
+/* c[mr][32] for one tile; x rows float32 (float formats) or int8 + scales (Q8_0). */
+static void mk_scalar(int fmt, const void *xa, int64_t ldx, const float *dx, const void *wt,
+                      int64_t K, float *c, int mr) {
+    int64_t kp = (K + 1) / 2 * 2, nb = K / QK;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) {
+            float acc = 0.0f;
+            if (fmt == FMT_Q8_0) {
+                const int8_t *xq = (const int8_t *)xa + i * ldx;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *blk = (const uint8_t *)wt + b * Q8_TILE_BLOCK;
+                    int32_t dot = 0;
+                    for (int g = 0; g < 8; g++)
+                        for (int e = 0; e < 4; e++)
+                            dot += (int32_t)(int8_t)blk[(g * NR + j) * 4 + e] * xq[b * QK + g * 4 + e];
+                    uint16_t s;
+                    memcpy(&s, blk + 8 * NR * 4 + j * 2, 2);
+                    acc += (float)dot * f16_to_f32(s) * dx[i * (K / QK) + b];
+                }
+            } else if (fmt == FMT_BF16_PAIRS) {
+                const uint16_t *xb = (const uint16_t *)xa + i * ldx, *w = wt;
+                for (int64_t k = 0; k < kp; k++)
+                    acc += bf16_to_f32(xb[k]) * bf16_to_f32(w[(k / 2) * NR * 2 + j * 2 + (k & 1)]);
+            } else {
+                const float *x = (const float *)xa + i * ldx;
+                const uint16_t *w = wt;
+                for (int64_t k = 0; k < K; k++) {
+                    uint16_t h = w[k * NR + j];
+                    acc += x[k] * (fmt == FMT_F16 ? f16_to_f32(h) : bf16_to_f32(h));
+                }
+            }
+            c[i * NR + j] = acc;
+        }
+}
+
+/* ---------------------------------------------------------------- AVX2 kernels */
+
+#define MR_AVX2 2        /* rows per micro-kernel converting half weights on the fly */
+#define MR_AVX2_F32 3    /* rows per micro-kernel on a float32 tile */
+
+T_AVX2 INLINE __m256 ld8_avx2(const void *p, const int fmt) {
+    if (fmt == -1) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (fmt == FMT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* fmt -1: a float32 tile [K][32]; else a half tile [K][32] converted on the fly */
+T_AVX2 INLINE void mk_avx2_impl(const float *x, int64_t ldx, const void *wt, int64_t K,
+                                float *c, const int MR, const int fmt, const char *pf) {
+    __m256 a[3][4];
+    const int es = fmt == -1 ? 4 : 2;
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    const char *w = (const char *)wt;
+    for (int64_t k = 0; k < K; k++) {
+        PF(pf + k * NR * 2);
+        __m256 w0 = ld8_avx2(w + (k * NR + 0) * es, fmt), w1 = ld8_avx2(w + (k * NR + 8) * es, fmt);
+        __m256 w2 = ld8_avx2(w + (k * NR + 16) * es, fmt), w3 = ld8_avx2(w + (k * NR + 24) * es, fmt);
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; i++) {
+            __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            a[i][0] = _mm256_fmadd_ps(w0, xb, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w1, xb, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(w2, xb, a[i][2]);
+            a[i][3] = _mm256_fmadd_ps(w3, xb, a[i][3]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + i * NR + j * 8, a[i][j]);
+}
+
+T_AVX2 static void mk_avx2_half(int fmt, const float *x, int64_t ldx, const void *wt, int64_t K,
+                                float *c, int mr, const char *pf) {
+    if (fmt == FMT_F16) {
+        if (mr == 1) mk_avx2_impl(x, ldx, wt, K, c, 1, FMT_F16, pf);
+        else mk_avx2_impl(x, ldx, wt, K, c, 2, FMT_F16, pf);
+    } else {
+        if (mr == 1) mk_avx2_impl(x, ldx, wt, K, c, 1, FMT_BF16, pf);
+        else mk_avx2_impl(x, ldx, wt, K, c, 2, FMT_BF16, pf);
+    }
+}
+
+T_AVX2 static void mk_avx2_f32(const float *x, int64_t ldx, const float *wt, int64_t K, float *c,
+                               int mr, const char *pf) {
+    switch (mr) {
+    case 1: mk_avx2_impl(x, ldx, wt, K, c, 1, -1, pf); break;
+    case 2: mk_avx2_impl(x, ldx, wt, K, c, 2, -1, pf); break;
+    default: mk_avx2_impl(x, ldx, wt, K, c, 3, -1, pf); break;
+    }
+}
+
+/* a half tile [K][32] to float32 */
+T_AVX2 static void tile_to_f32_avx2(int fmt, const uint16_t *w, int64_t K, float *out,
+                                    const char *pf) {
+    for (int64_t i = 0; i < K * NR; i += 8) {
+        if ((i & 31) == 0) PF(pf + i * 2);
+        _mm256_storeu_ps(out + i, fmt == FMT_F16 ? ld8_avx2(w + i, FMT_F16) : ld8_avx2(w + i, FMT_BF16));
+    }
+}
+
+/* Q8_0, one row: 4 x 8 outputs, |w| x sign(x, w) with vpmaddubsw (no saturation: |w|, |x| <= 127) */
+T_AVX2 static void mk_avx2_q8(const int8_t *xq, const float *dx, const uint8_t *wt, int64_t nb,
+                              float *c, const char *pf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wt + b * Q8_TILE_BLOCK;
+        __m256i d0 = _mm256_setzero_si256(), d1 = d0, d2 = d0, d3 = d0;
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            PF(pf + b * Q8_TILE_BLOCK + g * 128);
+            PF(pf + b * Q8_TILE_BLOCK + g * 128 + 64);
+            __m256i xv = _mm256_set1_epi32(load_i32(xq + b * QK + g * 4));
+#define Q8_AVX2_STEP(J, D)                                                                    \
+    {                                                                                         \
+        __m256i w = _mm256_loadu_si256((const __m256i *)(blk + g * NR * 4 + (J) * 32));       \
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));    \
+        D = _mm256_add_epi32(D, _mm256_madd_epi16(p, ones));                                  \
+    }
+            Q8_AVX2_STEP(0, d0) Q8_AVX2_STEP(1, d1) Q8_AVX2_STEP(2, d2) Q8_AVX2_STEP(3, d3)
+#undef Q8_AVX2_STEP
+        }
+        PF(pf + b * Q8_TILE_BLOCK + 1024);
+        const __m128i *sp = (const __m128i *)(blk + 8 * NR * 4);
+        __m256 dxv = _mm256_set1_ps(dx[b]);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp + 0)), dxv), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp + 1)), dxv), a1);
+        a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d2), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp + 2)), dxv), a2);
+        a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d3), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(sp + 3)), dxv), a3);
+    }
+    _mm256_storeu_ps(c, a0);
+    _mm256_storeu_ps(c + 8, a1);
+    _mm256_storeu_ps(c + 16, a2);
+    _mm256_storeu_ps(c + 24, a3);
+}
+
+/* ---------------------------------------------------------------- AVX-512 kernels */
+
+#define MR_512 12     /* 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers */
+#define MR_512_Q8 4
+
+T_512 INLINE __m512 ld16_512(const void *p, const int fmt) {
+    if (fmt == -1) return _mm512_loadu_ps((const float *)p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+T_512 INLINE void mk_512_impl(const float *x, int64_t ldx, const void *wt, int64_t K, float *c,
+                              const int MR, const int fmt, const char *pf) {
+    __m512 a0[MR_512], a1[MR_512];
+    const int es = fmt == -1 ? 4 : 2;
+    const char *w = (const char *)wt;
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (MR == 1) { /* decode: two k per step, four independent accumulators */
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+        for (; k + 1 < K; k += 2) {
+            PF(pf + k * NR * 2);
+            PF(pf + k * NR * 2 + 64);
+            a0[0] = _mm512_fmadd_ps(ld16_512(w + (k * NR) * es, fmt), _mm512_set1_ps(x[k]), a0[0]);
+            a1[0] = _mm512_fmadd_ps(ld16_512(w + (k * NR + 16) * es, fmt), _mm512_set1_ps(x[k]), a1[0]);
+            b0 = _mm512_fmadd_ps(ld16_512(w + (k * NR + 32) * es, fmt), _mm512_set1_ps(x[k + 1]), b0);
+            b1 = _mm512_fmadd_ps(ld16_512(w + (k * NR + 48) * es, fmt), _mm512_set1_ps(x[k + 1]), b1);
+        }
+        a0[0] = _mm512_add_ps(a0[0], b0);
+        a1[0] = _mm512_add_ps(a1[0], b1);
+    }
+    for (; k < K; k++) {
+        PF(pf + k * NR * 2);
+        __m512 w0 = ld16_512(w + (k * NR) * es, fmt), w1 = ld16_512(w + (k * NR + 16) * es, fmt);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
+            a0[i] = _mm512_fmadd_ps(w0, xb, a0[i]);
+            a1[i] = _mm512_fmadd_ps(w1, xb, a1[i]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(c + i * NR, a0[i]);
+        _mm512_storeu_ps(c + i * NR + 16, a1[i]);
+    }
+}
+
+#define MR_CASES(CALL)                                                                        \
+    switch (mr) {                                                                             \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break;                   \
+    case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break;                   \
+    case 7: CALL(7); break; case 8: CALL(8); break; case 9: CALL(9); break;                   \
+    case 10: CALL(10); break; case 11: CALL(11); break; default: CALL(12); break;             \
+    }
+
+T_512 static void mk_512_f16(const float *x, int64_t ldx, const void *wt, int64_t K, float *c, int mr,
+                              const char *pf) {
+#define C(R) mk_512_impl(x, ldx, wt, K, c, R, FMT_F16, pf)
+    MR_CASES(C)
+#undef C
+}
+
+T_512 static void mk_512_bf16(const float *x, int64_t ldx, const void *wt, int64_t K, float *c, int mr,
+                              const char *pf) {
+#define C(R) mk_512_impl(x, ldx, wt, K, c, R, FMT_BF16, pf)
+    MR_CASES(C)
+#undef C
+}
+
+T_512 static void mk_512_f32(const float *x, int64_t ldx, const void *wt, int64_t K, float *c, int mr,
+                              const char *pf) {
+#define C(R) mk_512_impl(x, ldx, wt, K, c, R, -1, pf)
+    MR_CASES(C)
+#undef C
+}
+
+T_512 static void tile_to_f32_512(int fmt, const uint16_t *w, int64_t K, float *out,
+                                  const char *pf) {
+    for (int64_t i = 0; i < K * NR; i += 16) {
+        if ((i & 31) == 0) PF(pf + i * 2);
+        _mm512_storeu_ps(out + i, fmt == FMT_F16 ? ld16_512(w + i, FMT_F16) : ld16_512(w + i, FMT_BF16));
+    }
+}
+
+/* vdpbf16ps: x rows as bfloat16 pairs, weights [K/2][32][2] */
+T_512BF INLINE void mk_512_dp_impl(const uint16_t *xb, int64_t ldx, const uint16_t *w,
+                                   int64_t kp, float *c, const int MR, const char *pf) {
+    __m512 a0[MR_512], a1[MR_512];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    int64_t p = 0, np = kp / 2;
+    if (MR == 1) {
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+        for (; p + 1 < np; p += 2) {
+            PF(pf + p * 128);
+            PF(pf + p * 128 + 64);
+            PF(pf + p * 128 + 128);
+            PF(pf + p * 128 + 192);
+            __m512bh x0 = (__m512bh)_mm512_set1_epi32(load_i32(xb + 2 * p));
+            __m512bh x1 = (__m512bh)_mm512_set1_epi32(load_i32(xb + 2 * p + 2));
+            a0[0] = _mm512_dpbf16_ps(a0[0], (__m512bh)_mm512_loadu_si512(w + p * 64), x0);
+            a1[0] = _mm512_dpbf16_ps(a1[0], (__m512bh)_mm512_loadu_si512(w + p * 64 + 32), x0);
+            b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(w + p * 64 + 64), x1);
+            b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(w + p * 64 + 96), x1);
+        }
+        a0[0] = _mm512_add_ps(a0[0], b0);
+        a1[0] = _mm512_add_ps(a1[0], b1);
+    }
+    for (; p < np; p++) {
+        PF(pf + p * 128);
+        PF(pf + p * 128 + 64);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 64);
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 64 + 32);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(load_i32(xb + i * ldx + 2 * p));
+            a0[i] = _mm512_dpbf16_ps(a0[i], w0, xv);
+            a1[i] = _mm512_dpbf16_ps(a1[i], w1, xv);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(c + i * NR, a0[i]);
+        _mm512_storeu_ps(c + i * NR + 16, a1[i]);
+    }
+}
+
+T_512BF static void mk_512_dp(const uint16_t *xb, int64_t ldx, const uint16_t *w, int64_t kp,
+                              float *c, int mr, const char *pf) {
+#define C(R) mk_512_dp_impl(xb, ldx, w, kp, c, R, pf)
+    MR_CASES(C)
+#undef C
+}
+
+/* Q8_0 with vpdpbusd: activations uint8 (q + 128), weights int8; the 128 * sum(w) the offset
+ * adds is computed per block with the same instruction and subtracted. */
+T_512VNNI INLINE void mk_512_q8_impl(const uint8_t *xq, int64_t ldx, const float *dx,
+                                     int64_t lddx, const uint8_t *wt, int64_t nb, float *c,
+                                     const int MR, const char *pf) {
+    __m512 a0[MR_512_Q8], a1[MR_512_Q8];
+    const __m512i off = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wt + b * Q8_TILE_BLOCK;
+        __m512i d0[MR_512_Q8], d1[MR_512_Q8], c0 = _mm512_setzero_si512(), c1 = c0;
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) d0[i] = d1[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            PF(pf + b * Q8_TILE_BLOCK + g * 128);
+            PF(pf + b * Q8_TILE_BLOCK + g * 128 + 64);
+            __m512i w0 = _mm512_loadu_si512(blk + g * NR * 4);
+            __m512i w1 = _mm512_loadu_si512(blk + g * NR * 4 + 64);
+            c0 = _mm512_dpbusd_epi32(c0, off, w0);
+            c1 = _mm512_dpbusd_epi32(c1, off, w1);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                __m512i xv = _mm512_set1_epi32(load_i32(xq + i * ldx + b * QK + g * 4));
+                d0[i] = _mm512_dpbusd_epi32(d0[i], xv, w0);
+                d1[i] = _mm512_dpbusd_epi32(d1[i], xv, w1);
+            }
+        }
+        PF(pf + b * Q8_TILE_BLOCK + 1024);
+        __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 8 * NR * 4)));
+        __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 8 * NR * 4 + 32)));
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            __m512 dxv = _mm512_set1_ps(dx[i * lddx + b]);
+            a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d0[i], c0)),
+                                    _mm512_mul_ps(s0, dxv), a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1[i], c1)),
+                                    _mm512_mul_ps(s1, dxv), a1[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(c + i * NR, a0[i]);
+        _mm512_storeu_ps(c + i * NR + 16, a1[i]);
+    }
+}
+
+T_512VNNI static void mk_512_q8(const uint8_t *xq, int64_t ldx, const float *dx, int64_t lddx,
+                                const uint8_t *wt, int64_t nb, float *c, int mr, const char *pf) {
+    switch (mr) {
+    case 1: mk_512_q8_impl(xq, ldx, dx, lddx, wt, nb, c, 1, pf); break;
+    case 2: mk_512_q8_impl(xq, ldx, dx, lddx, wt, nb, c, 2, pf); break;
+    case 3: mk_512_q8_impl(xq, ldx, dx, lddx, wt, nb, c, 3, pf); break;
+    default: mk_512_q8_impl(xq, ldx, dx, lddx, wt, nb, c, 4, pf); break;
+    }
+}
+
+/* ---------------------------------------------------------------- driver */
+
+static void epilogue(const float *c, int64_t rows, int64_t n0, int64_t N, const float *bias,
+                     void *y, int ydt, int64_t ldy) {
+    int64_t cols = N - n0 < NR ? N - n0 : NR;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) {
+            float v = c[i * NR + j] + (bias ? bias[n0 + j] : 0.0f);
+            if (ydt == DT_F32) ((float *)y)[i * ldy + n0 + j] = v;
+            else ((uint16_t *)y)[i * ldy + n0 + j] = f32_to_bf16(v);
+        }
+}
+
+typedef struct {
+    int fmt, isa;
+    const void *xa;  /* activations as the kernel reads them */
+    int64_t ldx;
+    const float *dx; /* Q8_0 activation scales [M, K / 32] */
+    const void *w;
+    int64_t M, N, K;
+    const float *bias;
+    void *y;
+    int ydt;
+    int64_t ldy;
+} job_t;
+
+static int64_t tile_bytes(int fmt, int64_t K) {
+    if (fmt == FMT_Q8_0) return K / QK * Q8_TILE_BLOCK;
+    return (fmt == FMT_BF16_PAIRS ? (K + 1) / 2 * 2 : K) * NR * 2;
+}
+
+/* rows [m0, m0 + rows) of tile t; the first micro-kernel pass prefetches tile t + 1 unless
+ * `last` */
+static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t rows, float *c) {
+    const int fmt = j->fmt, isa = j->isa;
+    const int64_t K = j->K, nb = K / QK, kp = (K + 1) / 2 * 2, tb = tile_bytes(fmt, K);
+    const char *wt = (const char *)j->w + t * tb, *next = last ? NULL : wt + tb;
+
+    if (isa == ISA_SCALAR) {
+        const float *dx = fmt == FMT_Q8_0 ? j->dx + m0 * nb : NULL;
+        int64_t es = fmt == FMT_Q8_0 ? 1 : fmt == FMT_BF16_PAIRS ? 2 : 4;
+        mk_scalar(fmt, (const char *)j->xa + m0 * j->ldx * es, j->ldx, dx, wt, K, c, (int)rows);
+        return EK_OK;
+    }
+    if (fmt == FMT_Q8_0) {
+        for (int64_t i = 0; i < rows;) {
+            const char *pf = i == 0 ? next : NULL;
+            if (isa == ISA_AVX512) {
+                int mr = rows - i < MR_512_Q8 ? (int)(rows - i) : MR_512_Q8;
+                mk_512_q8((const uint8_t *)j->xa + (m0 + i) * j->ldx, j->ldx, j->dx + (m0 + i) * nb,
+                          nb, (const uint8_t *)wt, nb, c + i * NR, mr, pf);
+                i += mr;
+            } else {
+                mk_avx2_q8((const int8_t *)j->xa + (m0 + i) * j->ldx, j->dx + (m0 + i) * nb,
+                           (const uint8_t *)wt, nb, c + i * NR, pf);
+                i += 1;
+            }
+        }
+        return EK_OK;
+    }
+    if (fmt == FMT_BF16_PAIRS) {
+        for (int64_t i = 0; i < rows;) {
+            int mr = rows - i < MR_512 ? (int)(rows - i) : MR_512;
+            mk_512_dp((const uint16_t *)j->xa + (m0 + i) * j->ldx, j->ldx, (const uint16_t *)wt,
+                      kp, c + i * NR, mr, i == 0 ? next : NULL);
+            i += mr;
+        }
+        return EK_OK;
+    }
+    /* float16 / bfloat16 k-major: convert on the fly for one micro-kernel's rows, else
+     * convert the tile to float32 once and run the float32 micro-kernel over all rows */
+    const float *x = (const float *)j->xa + m0 * j->ldx;
+    int direct_rows = isa == ISA_AVX512 ? MR_512 : MR_AVX2;
+    if (rows <= direct_rows) {
+        if (isa == ISA_AVX512) {
+            if (fmt == FMT_F16) mk_512_f16(x, j->ldx, wt, K, c, (int)rows, next);
+            else mk_512_bf16(x, j->ldx, wt, K, c, (int)rows, next);
+        } else {
+            for (int64_t i = 0; i < rows; i += MR_AVX2)
+                mk_avx2_half(fmt, x + i * j->ldx, j->ldx, wt, K, c + i * NR,
+                             rows - i < MR_AVX2 ? (int)(rows - i) : MR_AVX2, i == 0 ? next : NULL);
+        }
+        return EK_OK;
+    }
+    float *tile = scratch(&tl_tile, (size_t)(K * NR) * 4);
+    if (!tile) return EK_NO_MEMORY;
+    int mrmax = isa == ISA_AVX512 ? MR_512 : MR_AVX2_F32;
+    if (isa == ISA_AVX512) tile_to_f32_512(fmt, (const uint16_t *)wt, K, tile, NULL);
+    else tile_to_f32_avx2(fmt, (const uint16_t *)wt, K, tile, NULL);
+    for (int64_t i = 0; i < rows;) {
+        int mr = rows - i < mrmax ? (int)(rows - i) : mrmax;
+        const char *pf = i == 0 ? next : NULL;
+        if (isa == ISA_AVX512) mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
+        else mk_avx2_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
+        i += mr;
+    }
+    return EK_OK;
+}
+
+/* y[M, N] (row stride ldy, float32 or bfloat16) = x[M, K] (row stride ldx) . W^T + bias.
+ * Returns EK_OK or a negative EK_* code. */
+int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, int64_t ldx,
+              const void *w, int64_t N, const float *bias, void *y, int ydt, int64_t ldy,
+              int nthreads) {
+    if (fmt < FMT_F16 || fmt > FMT_Q8_0) return EK_BAD_FORMAT;
+    if (!isa_ok(fmt, isa)) return EK_BAD_ISA;
+    if (fmt == FMT_Q8_0 && K % QK) return EK_BAD_K;
+    if (fmt == FMT_BF16_PAIRS && isa != ISA_AVX512 && isa != ISA_SCALAR) return EK_BAD_ISA;
+    if (M <= 0 || N <= 0) return EK_OK;
+    job_t j = {fmt, isa, NULL, 0, NULL, w, M, N, K, bias, y, ydt, ldy};
+    if (fmt == FMT_Q8_0) {
+        float *dx = NULL;
+        j.xa = act_q8(x, xdt, M, K, ldx, isa == ISA_AVX512, &dx);
+        j.ldx = K;
+        j.dx = dx;
+    } else if (fmt == FMT_BF16_PAIRS) {
+        j.xa = act_bf16(x, xdt, M, K, ldx, &j.ldx);
+    } else {
+        j.xa = act_f32(x, xdt, M, K, ldx, &j.ldx);
+    }
+    if (!j.xa) return EK_NO_MEMORY;
+    int64_t nt = (N + NR - 1) / NR;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > nt) nthreads = (int)nt;
+    int status = EK_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int tid = 0, n = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        n = omp_get_num_threads();
+#endif
+        int64_t t0 = nt * tid / n, t1 = nt * (tid + 1) / n;
+        float c[M_CHUNK * NR] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+            int64_t rows = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+            for (int64_t t = t0; t < t1; t++) {
+                int s = run_tile(&j, t, t + 1 == t1, m0, rows, c);
+                if (s != EK_OK) {
+#pragma omp atomic write
+                    status = s;
+                    continue;
+                }
+                epilogue(c, rows, t * NR, N, bias, (char *)y + m0 * ldy * (ydt == DT_F32 ? 4 : 2),
+                         ydt, ldy);
+            }
+        }
+    }
+    return status;
+}
+
+/* ---------------------------------------------------------------- peak throughput */
+
+/* The arithmetic peak the benchmark reports fractions of: `iters` steps of 12 independent
+ * chains (enough to cover latency x pipes) of one instruction on each of nthreads threads.
+ * Returns the operations done (flops: 2 per FMA lane, 4 per vdpbf16ps lane, 8 per vpdpbusd
+ * lane), or a negative EK_* code. kind 0: AVX2 vfmadd231ps ymm; 1: AVX-512 vfmadd231ps zmm;
+ * 2: vdpbf16ps zmm; 3: vpdpbusd zmm. */
+#define PEAK_BODY(T, ZERO, OP, SINK)                                                          \
+    {                                                                                         \
+        T a0 = ZERO, a1 = ZERO, a2 = ZERO, a3 = ZERO, a4 = ZERO, a5 = ZERO, a6 = ZERO,        \
+          a7 = ZERO, a8 = ZERO, a9 = ZERO, a10 = ZERO, a11 = ZERO;                            \
+        for (int64_t i = 0; i < iters; i++) {                                                 \
+            a0 = OP(a0); a1 = OP(a1); a2 = OP(a2); a3 = OP(a3); a4 = OP(a4); a5 = OP(a5);     \
+            a6 = OP(a6); a7 = OP(a7); a8 = OP(a8); a9 = OP(a9); a10 = OP(a10); a11 = OP(a11); \
+            __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5)); \
+            __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11)); \
+        }                                                                                     \
+        SINK(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11);                               \
+    }
+
+static volatile float peak_sink;
+
+T_AVX2 static void peak_avx2(int64_t iters) {
+    const __m256 m = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+#define OP(a) _mm256_fmadd_ps(a, m, b)
+#define SINK(...) { __m256 v[] = {__VA_ARGS__}; float s = 0; for (int i = 0; i < 12; i++) s += v[i][0]; peak_sink = s; }
+    PEAK_BODY(__m256, _mm256_setzero_ps(), OP, SINK)
+#undef OP
+#undef SINK
+}
+
+T_512 static void peak_512(int64_t iters) {
+    const __m512 m = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+#define OP(a) _mm512_fmadd_ps(a, m, b)
+#define SINK(...) { __m512 v[] = {__VA_ARGS__}; float s = 0; for (int i = 0; i < 12; i++) s += v[i][0]; peak_sink = s; }
+    PEAK_BODY(__m512, _mm512_setzero_ps(), OP, SINK)
+#undef OP
+#undef SINK
+}
+
+T_512BF static void peak_512bf(int64_t iters) {
+    const __m512bh m = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
+#define OP(a) _mm512_dpbf16_ps(a, m, b)
+#define SINK(...) { __m512 v[] = {__VA_ARGS__}; float s = 0; for (int i = 0; i < 12; i++) s += v[i][0]; peak_sink = s; }
+    PEAK_BODY(__m512, _mm512_setzero_ps(), OP, SINK)
+#undef OP
+#undef SINK
+}
+
+T_512VNNI static void peak_512vnni(int64_t iters) {
+    const __m512i m = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
+#define OP(a) _mm512_dpbusd_epi32(a, m, b)
+#define SINK(...) { __m512i v[] = {__VA_ARGS__}; int s = 0; for (int i = 0; i < 12; i++) s += _mm_cvtsi128_si32(_mm512_castsi512_si128(v[i])); peak_sink = (float)s; }
+    PEAK_BODY(__m512i, _mm512_setzero_si512(), OP, SINK)
+#undef OP
+#undef SINK
+}
+
+double ek_peak(int kind, int64_t iters, int nthreads) {
+    int f = ek_features();
+    int need[] = {FEAT_AVX2, FEAT_AVX512, FEAT_AVX512 | FEAT_AVX512_BF16,
+                  FEAT_AVX512 | FEAT_AVX512_VNNI};
+    double per[] = {12.0 * 8 * 2, 12.0 * 16 * 2, 12.0 * 16 * 4, 12.0 * 16 * 8};
+    if (kind < 0 || kind > 3) return EK_BAD_FORMAT;
+    if ((f & need[kind]) != need[kind]) return EK_BAD_ISA;
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (kind == 0) peak_avx2(iters);
+        else if (kind == 1) peak_512(iters);
+        else if (kind == 2) peak_512bf(iters);
+        else peak_512vnni(iters);
+    }
+    return per[kind] * (double)iters * nthreads;
+}
