@@ -144,15 +144,21 @@ def test_auto_on_a_gpu_orders_the_other_backends_by_priority():
 
 
 def test_auto_picks_the_guides_backend_by_compute_capability(regs, monkeypatch):
-    """With the kernel packages present (faked: their checks look them up with find_spec), auto
-    follows the guide: fa3 on Hopper, trtllm_mha on Blackwell, flashinfer on Ampere/Ada, and by
-    priority where the guide's pick cannot serve the KV dtype or the GPU is older."""
+    """With the kernel packages present (faked: their checks look them up with find_spec, and
+    fa3's also imports sgl-kernel's FA3 module, faked in sys.modules), auto follows the guide:
+    fa3 on Hopper, trtllm_mha on Blackwell, flashinfer on Ampere/Ada, and by priority where the
+    guide's pick cannot serve the KV dtype or the GPU is older."""
     import importlib.util
+    import sys
+    import types
 
     real = importlib.util.find_spec
     present = {"sgl_kernel", "flashinfer", "triton"}
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name in present else real(name, *a))
+    monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_attn",
+                        types.ModuleType("sgl_kernel.flash_attn"))
     pick = {name: resolve_attention_backend(regs[0], "auto", DeviceInfo("cuda", name, cc), kv,
                                             pm=regs[1]).name
             for name, cc, kv in [("H100", (9, 0), "auto"), ("B200", (10, 0), "auto"),
@@ -162,6 +168,8 @@ def test_auto_picks_the_guides_backend_by_compute_capability(regs, monkeypatch):
     assert pick == {"H100": "fa3", "B200": "trtllm_mha", "A100": "flashinfer", "L4": "flashinfer",
                     "T4": "triton", "H200": "flashinfer", "B300": "flashinfer"}
     present.discard("sgl_kernel")  # Hopper without sgl-kernel: the guide's second choice
+    monkeypatch.delitem(sys.modules, "sgl_kernel.flash_attn")
+    monkeypatch.delitem(sys.modules, "sgl_kernel")
     assert resolve_attention_backend(regs[0], "auto", H100, pm=regs[1]).name == "flashinfer"
     # trtllm_mha takes pages of 16, 32 or 64 tokens (64 when --page-size is not given): with
     # --page-size 1 auto passes it over, and asking for it by name says what to change
@@ -179,6 +187,9 @@ def test_auto_picks_the_guides_backend_by_compute_capability(regs, monkeypatch):
     # fa3 / flashinfer / trtllm_mha run float16 and bfloat16 models: a float32 one gets triton
     # from auto, and naming one says which --dtype to pass
     present.add("sgl_kernel")
+    monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_attn",
+                        types.ModuleType("sgl_kernel.flash_attn"))
     for name, cc in [("H100", (9, 0)), ("B200", (10, 0)), ("A100", (8, 0))]:
         gpu = DeviceInfo("cuda", name, cc)
         assert resolve_attention_backend(regs[0], "auto", gpu, pm=regs[1],

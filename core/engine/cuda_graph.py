@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -34,14 +35,37 @@ WARMUP_RUNS = 2  # eager forwards before a capture: Triton compiles, cuBLAS pick
 GRAPH_OVERHEAD_BYTES = 64 << 20  # per-graph bookkeeping, the warm-up kernels' workspaces
 
 
-def estimate_graph_bytes(model_config, itemsize: int, max_bs: int) -> int:
+def estimate_graph_bytes(model_config, itemsize: int, max_bs: int,
+                         backend_bytes: Callable[[int], int] | None = None) -> int:
     """What the captured graphs are expected to hold: the largest one's activations (the others
     reuse them): per row the widest layer intermediates (hidden states, q/k/v, the MLP's gate,
-    up and product) in the model's dtype plus its logits in that dtype and in float32."""
+    up and product) in the model's dtype plus its logits in that dtype and in float32; plus
+    ``backend_bytes(max_bs)``, what the attention backend holds beside the KV pool (its graph
+    wrappers, index buffers, workspaces: :func:`backend_graph_bytes`)."""
     c = model_config
     per_row = (6 * c.hidden_size + 3 * c.intermediate_size) * itemsize + c.vocab_size * (
         itemsize + 4)
-    return max_bs * per_row + GRAPH_OVERHEAD_BYTES
+    extra = backend_bytes(max_bs) if backend_bytes is not None else 0
+    return max_bs * per_row + GRAPH_OVERHEAD_BYTES + extra
+
+
+def backend_graph_bytes(factory, layers, page_size: int, max_context_len: int,
+                        options: dict | None = None,
+                        explicit_sizes: list[int] | None = None) -> Callable[[int], int]:
+    """``max_bs -> bytes`` that an attention backend reports through its registered factory's
+    ``graph_memory_bytes(max_bs, num_sizes, layers, page_size, max_context_len, options)``
+    (num_sizes: the graphs captured up to max_bs); 0 for a factory without one. Asked before
+    the backend exists: the sizing runs before the KV pool and the backend are built."""
+    report = getattr(factory, "graph_memory_bytes", None)
+
+    def bytes_for(max_bs: int) -> int:
+        if report is None:
+            return 0
+        sizes = [s for s in capture_sizes(max_bs, explicit_sizes) if s <= max_bs]
+        return int(report(max_bs, len(sizes), layers, page_size, max_context_len,
+                          dict(options or {})))
+
+    return bytes_for
 
 
 def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:

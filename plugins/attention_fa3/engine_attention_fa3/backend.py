@@ -39,10 +39,10 @@ def check_context(ctx: BackendContext) -> None:
 def load_kernel() -> Callable:
     try:
         from sgl_kernel.flash_attn import flash_attn_with_kvcache
-    except ImportError as e:
+    except (ImportError, OSError) as e:  # OSError: an extension built for another torch
         raise BackendUnavailable(
-            f"'fa3' cannot load FlashAttention-3 from sgl-kernel ({e}); "
-            f"install it with: pip install 'engine-attention-fa3[cuda]'") from e
+            f"'fa3' cannot load FlashAttention-3 from sgl-kernel ({e}); install the sgl-kernel "
+            f"built for this torch: pip install 'engine-attention-fa3[cuda]'") from e
     return flash_attn_with_kvcache
 
 

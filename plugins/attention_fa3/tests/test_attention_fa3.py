@@ -8,9 +8,11 @@ HF; how it is picked and refused. Under @pytest.mark.gpu: the real kernel on a H
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from engine.forward_batch import ForwardBatch
 from engine.interfaces import AttentionBackend, AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.plugins import get_registries
-from engine.registry import BackendUnavailable, IncompatibleOptions
+from engine.registry import BackendUnavailable, IncompatibleOptions, resolve_attention_backend
 from engine.testing import (backend_matches_torch_native, compare_backends_step, free_requests,
                             greedy_matches_hf, refill_batch, run_mixed_steps, scattered_filler)
 from engine_attention_fa3 import _factory, check
@@ -85,8 +87,63 @@ def test_registration_and_check_reasons(monkeypatch):
     hopper = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert "pip install 'engine-attention-fa3[cuda]'" in check(hopper)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
-    assert check(hopper) is None
+
+
+HOPPER = DeviceInfo("cuda", "NVIDIA H100", (9, 0))
+
+
+def fake_sgl_kernel(tmp_path, monkeypatch, flash_attn_source: str):
+    """An ``sgl_kernel`` package on sys.path whose ``flash_attn`` module runs the given source
+    (an sgl-kernel wheel built for another torch fails in its extension's import)."""
+    pkg = tmp_path / "sgl_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "flash_attn.py").write_text(flash_attn_source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("sgl_kernel", "sgl_kernel.flash_attn"):
+        # recorded as absent (setitem, then delitem), so that the fake modules imported during
+        # the test are dropped again afterwards
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    importlib.invalidate_caches()
+
+
+BROKEN = ("raise ImportError('/site-packages/sgl_kernel/sm90/common_ops.abi3.so: undefined "
+          "symbol: _ZN3c1017RegisterOperatorsD1Ev')")
+
+
+@pytest.mark.parametrize("error", ["ImportError", "OSError"])
+def test_a_kernel_built_for_another_torch_is_unavailable_with_the_reason(tmp_path, monkeypatch,
+                                                                         error):
+    """The package is found but its kernel module does not import: check() says so (this is
+    what `engine plugins` prints), and auto on a Hopper GPU falls through to the next backend
+    instead of picking fa3 and failing after the weights are loaded."""
+    fake_sgl_kernel(tmp_path, monkeypatch, BROKEN.replace("ImportError", error))
+    assert importlib.util.find_spec("sgl_kernel") is not None  # the old check passed here
+    reason = check(HOPPER)
+    assert reason and "undefined symbol" in reason and "for this torch" in reason
+    entry = get_registries().attention.get("fa3")
+    assert entry.unavailable_reason(HOPPER) == reason
+    from engine.plugins import pm
+
+    picked = resolve_attention_backend(get_registries(), "auto", HOPPER, pm=pm,
+                                       dtype="bfloat16")
+    assert picked.name != "fa3"
+    with pytest.raises(BackendUnavailable, match="undefined symbol"):
+        resolve_attention_backend(get_registries(), "fa3", HOPPER, pm=pm, dtype="bfloat16")
+    from engine_cli.plugins_cmd import collect  # what `engine plugins` lists for a device
+
+    row = next(r for r in collect(HOPPER)["attention"] if r["name"] == "fa3")
+    assert row["available"] is False and row["reason"] == reason
+
+
+def test_a_kernel_that_imports_is_available(tmp_path, monkeypatch):
+    fake_sgl_kernel(tmp_path, monkeypatch, "def flash_attn_with_kvcache(**kwargs):\n    pass\n")
+    assert check(HOPPER) is None
+    from engine.plugins import pm
+
+    assert resolve_attention_backend(get_registries(), "auto", HOPPER, pm=pm,
+                                     dtype="bfloat16").name == "fa3"
 
 
 def test_factory_refuses_what_the_kernel_cannot_run():

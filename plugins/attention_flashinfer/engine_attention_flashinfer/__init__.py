@@ -3,6 +3,7 @@
 import importlib.util
 
 from engine import hookimpl
+from engine.interfaces import EngineOption
 
 HALF = ("float16", "bfloat16")  # the model dtypes the kernels take (auto skips float32 models)
 TRTLLM_PAGE_SIZES = (16, 32, 64)  # what trtllm-gen's paged kernels take
@@ -33,10 +34,39 @@ def _flashinfer(ctx):
     return from_context(ctx)
 
 
+def _flashinfer_graph_memory(max_bs, num_sizes, layers, page_size, max_context_len, options):
+    from engine_attention_flashinfer.flashinfer_backend import graph_memory_bytes
+
+    return graph_memory_bytes(max_bs, num_sizes, layers, page_size, max_context_len, options)
+
+
 def _trtllm(ctx):
     from engine_attention_flashinfer.trtllm_backend import from_context
 
     return from_context(ctx)
+
+
+def _trtllm_graph_memory(max_bs, num_sizes, layers, page_size, max_context_len, options):
+    from engine_attention_flashinfer.trtllm_backend import graph_memory_bytes
+
+    return graph_memory_bytes(max_bs, num_sizes, layers, page_size, max_context_len, options)
+
+
+# what each backend holds beside the KV pool, for the CUDA-graph memory estimate
+# (engine.cuda_graph.backend_graph_bytes reads a factory's graph_memory_bytes)
+_flashinfer.graph_memory_bytes = _flashinfer_graph_memory
+_trtllm.graph_memory_bytes = _trtllm_graph_memory
+
+
+@hookimpl
+def register_serve_options(register):
+    register(EngineOption("--flashinfer-workspace-size", int, 384,
+                          "MiB of float workspace shared by the flashinfer backend's wrappers "
+                          "(SGLang's 384: chunked prefills and CUDA-graph decodes fail with "
+                          "much less)."))
+    register(EngineOption("--flashinfer-prefill-backend", str, "auto",
+                          "flashinfer prefill kernels: auto (FlashAttention-3 on Hopper where "
+                          "they apply, else FA2), fa2 or fa3."))
 
 
 @hookimpl

@@ -49,11 +49,16 @@ def _host_indptr(counts: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(counts)], dtype=torch.int32)
 
 
-def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV:
-    seq = batch.seq_lens_list
-    npages = pages_per_request(seq, page_size)
-    dev = batch.seq_lens.device
-    npages_t = (batch.seq_lens + page_size - 1) // page_size
+def paged_kv(batch: ForwardBatch, page_size: int, prefix_only: bool = False) -> PagedKV:
+    """The batch's pages: of each whole sequence, or with ``prefix_only`` of each request's
+    cached prefix only (the ragged path's paged half): a request without one has no pages and
+    a last-page length of 0, so that flashinfer's ``get_seq_lens`` (``max(pages - 1, 0) *
+    page_size + last_page_len``) gives it 0 keys."""
+    lens = batch.prefix_lens_list if prefix_only else batch.seq_lens_list
+    lens_t = batch.prefix_lens if prefix_only else batch.seq_lens
+    npages = pages_per_request(lens, page_size)
+    dev = lens_t.device
+    npages_t = (lens_t + page_size - 1) // page_size
     total = sum(npages)
     # which request each page belongs to, and its place in that request (no device sync: the
     # output size is known on the host)
@@ -66,7 +71,8 @@ def paged_kv(batch: ForwardBatch, page_size: int) -> PagedKV:
         qo_indptr=_host_indptr(batch.extend_lens_list),
         kv_indptr=_host_indptr(npages),
         kv_indices=(slots // page_size).to(torch.int32),
-        kv_last_page_len=torch.tensor([(s - 1) % page_size + 1 for s in seq], dtype=torch.int32),
+        kv_last_page_len=torch.tensor([(s - 1) % page_size + 1 if s else 0 for s in lens],
+                                      dtype=torch.int32),
     )
 
 

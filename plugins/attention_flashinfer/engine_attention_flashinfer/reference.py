@@ -11,22 +11,52 @@ from types import SimpleNamespace
 import torch
 
 
+LOG2E = 1.4426950408889634  # flashinfer's log-sum-exp is in base 2
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_left: int,
            v_scale: float = 1.0) -> torch.Tensor:
     """q [n, H, D]: the last n of the L positions of k, v [L, KVH, D]; causal (bottom-right),
     keys p - window_left .. p for position p (all when window_left < 0). float32 [n, H, D]."""
+    return attend_lse(q, k, v, scale, window_left, v_scale)[0]
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window_left: int, v_scale: float = 1.0, causal: bool = True):
+    """``attend``, and also each row's log-sum-exp of its scaled logits in base 2 (float32
+    [n, H]), as flashinfer returns it with ``return_lse=True``. ``causal=False``: every key
+    (no window); with no keys (L = 0) the output is 0 and the log-sum-exp -inf."""
     n, H, D = q.shape
     L, KVH = k.shape[:2]
-    assert 0 < n <= L, (n, L)
+    assert 0 < n and (n <= L or not causal), (n, L)
+    if L == 0:
+        return (torch.zeros(n, H, D, dtype=torch.float32, device=q.device),
+                torch.full((n, H), float("-inf"), dtype=torch.float32, device=q.device))
     qf = q.float().view(n, KVH, H // KVH, D)
     s = torch.einsum("nkgd,lkd->kgnl", qf, k.float()) * scale
     qpos = torch.arange(L - n, L, device=q.device)[:, None]
     kpos = torch.arange(L, device=q.device)[None, :]
-    seen = kpos <= qpos
+    seen = kpos <= qpos if causal else torch.ones(n, L, dtype=torch.bool, device=q.device)
     if window_left >= 0:
+        assert causal, "a window is only modelled with causal attention"
         seen &= kpos >= qpos - window_left
-    p = s.masked_fill(~seen, float("-inf")).softmax(-1)
-    return torch.einsum("kgnl,lkd->nkgd", p, v.float()).reshape(n, H, D) * v_scale
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [KVH, G, n], natural log
+    out = torch.einsum("kgnl,lkd->nkgd", s.softmax(-1), v.float()).reshape(n, H, D) * v_scale
+    return out, (lse * LOG2E).permute(2, 0, 1).reshape(n, H)
+
+
+def reference_merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                          s_b: torch.Tensor):
+    """flashinfer.merge_state: two partial attention states over disjoint key sets (outputs
+    [n, H, D], base-2 log-sum-exps [n, H] float32) -> the state over their union."""
+    assert v_a.shape == v_b.shape and v_a.dtype == v_b.dtype
+    assert s_a.shape == s_b.shape == v_a.shape[:2]
+    assert s_a.dtype == s_b.dtype == torch.float32
+    m = torch.maximum(s_a, s_b)
+    w_a, w_b = torch.exp2(s_a - m), torch.exp2(s_b - m)
+    v = (v_a.float() * w_a[..., None] + v_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
+    return v.to(v_a.dtype), m + torch.log2(w_a + w_b)
 
 
 def _gather_nhd(cache: torch.Tensor, pages: list[int], n: int) -> torch.Tensor:
@@ -50,7 +80,7 @@ class _PagedWrapper:
         self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
 
     def _attend_all(self, q, paged_kv_cache, q_ends, kv_indptr, kv_indices, last_page_len,
-                    k_scale, v_scale):
+                    k_scale, v_scale, causal=True):
         k_cache, v_cache = paged_kv_cache
         assert k_cache.shape[1:] == (self.page_size, self.kv_heads, self.head_dim), k_cache.shape
         _check(q, self.q_dtype, "q")
@@ -59,39 +89,86 @@ class _PagedWrapper:
             assert t.dtype == torch.int32
         ptr, idx, last = kv_indptr.tolist(), kv_indices.tolist(), last_page_len.tolist()
         assert len(ptr) == len(last) + 1 == len(q_ends)
-        assert all(1 <= n <= self.page_size for n in last), last
+        for b, n in enumerate(last):  # 0 exactly for a request without pages
+            assert (1 <= n <= self.page_size) if ptr[b + 1] > ptr[b] else n == 0, (b, n)
         scale = self.sm_scale * (1.0 if k_scale is None else k_scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for b in range(len(last)):
             pages = idx[ptr[b]:ptr[b + 1]]
-            kv_len = (len(pages) - 1) * self.page_size + last[b]
+            # flashinfer's get_seq_lens: max(pages - 1, 0) * page_size + last_page_len
+            kv_len = max(len(pages) - 1, 0) * self.page_size + last[b]
             k, v = _gather_nhd(k_cache, pages, kv_len), _gather_nhd(v_cache, pages, kv_len)
             rows = slice(q_ends[b], q_ends[b + 1])
-            out[rows] = attend(q[rows], k, v, scale, self.window_left,
-                               1.0 if v_scale is None else v_scale)
-        return out.to(q.dtype)
+            out[rows], lse[rows] = attend_lse(q[rows], k, v, scale, self.window_left,
+                                              1.0 if v_scale is None else v_scale, causal)
+        return out.to(q.dtype), lse
+
+
+BACKENDS = ("auto", "fa2", "fa3")  # the prefill wrappers' backend choices modelled
 
 
 class ReferencePrefillWrapper(_PagedWrapper):
-    """BatchPrefillWithPagedKVCacheWrapper (NHD, causal), never captured in a CUDA graph."""
+    """BatchPrefillWithPagedKVCacheWrapper (NHD), never captured in a CUDA graph: causal over
+    whole sequences, or (causal=False) a ragged step's cached prefixes, which may be empty."""
 
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
-        assert kv_layout == "NHD" and not use_cuda_graph
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 backend="auto"):
+        assert kv_layout == "NHD" and not use_cuda_graph and backend in BACKENDS
+        self.backend = backend
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False, sm_scale=None,
              window_left=-1, q_data_type="float16", kv_data_type=None):
-        assert causal, "only causal attention is implemented"
         assert qo_indptr.dtype == torch.int32
+        self.causal = causal
         self.meta = (qo_indptr.tolist(), paged_kv_indptr, paged_kv_indices,
                      paged_kv_last_page_len)
         self._keep(num_qo_heads, num_kv_heads, head_dim_qk, page_size, sm_scale, window_left,
                    q_data_type, kv_data_type)
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
         qo = self.meta[0]
         assert q.shape == (qo[-1], self.heads, self.head_dim), q.shape
-        return self._attend_all(q, paged_kv_cache, qo, *self.meta[1:], k_scale, v_scale)
+        out, lse = self._attend_all(q, paged_kv_cache, qo, *self.meta[1:], k_scale, v_scale,
+                                    self.causal)
+        return (out, lse) if return_lse else out
+
+
+class ReferenceRaggedWrapper:
+    """BatchPrefillWithRaggedKVCacheWrapper (NHD): each request's queries against its own rows
+    of the k/v tensors given to run() (the step's new tokens), causal, bottom-right."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 backend="auto"):
+        assert kv_layout == "NHD" and not use_cuda_graph and backend in BACKENDS
+        self.backend = backend
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, *,
+             causal=False, sm_scale=None, window_left=-1, q_data_type="float16",
+             kv_data_type=None):
+        assert qo_indptr.dtype == kv_indptr.dtype == torch.int32
+        self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
+        assert len(self.qo) == len(self.kv) and self.qo[0] == self.kv[0] == 0
+        self.causal = causal
+        self.heads, self.kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim_qk
+        self.sm_scale = head_dim_qk ** -0.5 if sm_scale is None else sm_scale
+        self.window_left = window_left
+        self.q_dtype, self.kv_dtype = q_data_type, kv_data_type or q_data_type
+
+    def run(self, q, k, v, *, return_lse=False):
+        assert q.shape == (self.qo[-1], self.heads, self.head_dim), q.shape
+        assert k.shape == v.shape == (self.kv[-1], self.kv_heads, self.head_dim), k.shape
+        _check(q, self.q_dtype, "q")
+        _check(k, self.kv_dtype, "k")
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for b in range(len(self.qo) - 1):
+            rows, keys = slice(self.qo[b], self.qo[b + 1]), slice(self.kv[b], self.kv[b + 1])
+            out[rows], lse[rows] = attend_lse(q[rows], k[keys], v[keys], self.sm_scale,
+                                              self.window_left, causal=self.causal)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
 
 
 class ReferenceDecodeWrapper(_PagedWrapper):
@@ -129,7 +206,7 @@ class ReferenceDecodeWrapper(_PagedWrapper):
         B = len(last)
         assert q.shape == (B, self.heads, self.head_dim), q.shape
         return self._attend_all(q, paged_kv_cache, list(range(B + 1)), indptr, indices, last,
-                                k_scale, v_scale)
+                                k_scale, v_scale)[0]
 
 
 def _gather_hnd(k_cache, v_cache, kv_layout, table_row: torch.Tensor, n: int):
@@ -184,7 +261,9 @@ def reference_trtllm_context(query, kv_cache, workspace_buffer, block_tables, se
 
 def flashinfer_reference_ops() -> SimpleNamespace:
     return SimpleNamespace(prefill_wrapper=ReferencePrefillWrapper,
-                           decode_wrapper=ReferenceDecodeWrapper)
+                           ragged_wrapper=ReferenceRaggedWrapper,
+                           decode_wrapper=ReferenceDecodeWrapper,
+                           merge_state=reference_merge_state)
 
 
 def trtllm_reference_ops() -> SimpleNamespace:

@@ -35,6 +35,14 @@ def trtllm_ops() -> SimpleNamespace:
                            context=trtllm_batch_context_with_kv_cache)
 
 
+def graph_memory_bytes(max_bs: int, num_sizes: int, layers, page_size: int,
+                       max_context_len: int, options: dict | None = None) -> int:
+    """Device memory the backend adds outside the KV pool, for the CUDA-graph reservation: its
+    workspace and the graphs' fixed block tables and sequence lengths (one set for all sizes)."""
+    width = -(-max_context_len // page_size)
+    return WORKSPACE_BYTES + 4 * (max_bs * width + max_bs)
+
+
 def from_context(ctx: BackendContext) -> "TrtllmMhaBackend":
     require_half("trtllm_mha", ctx)
     if ctx.kv_pool.page_size not in PAGE_SIZES:  # the engine resolves it; a direct caller may not

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+from itertools import accumulate
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ from engine_attention_flashinfer.flashinfer_backend import FlashInferBackend
 from engine_attention_flashinfer.metadata import block_tables, paged_cache, paged_kv
 from engine_attention_flashinfer.reference import (ReferenceDecodeWrapper,
                                                    ReferencePrefillWrapper,
+                                                   ReferenceRaggedWrapper, attend_lse,
                                                    flashinfer_reference_ops,
+                                                   reference_merge_state,
                                                    reference_trtllm_context,
                                                    reference_trtllm_decode,
                                                    trtllm_reference_ops)
@@ -282,6 +285,105 @@ def test_greedy_under_the_graph_runner_matches_hf(tiny_model_factory, registries
                       cuda_graph=True)
 
 
+# -- prompts through the ragged wrapper, merged with the cached prefix ------------------------
+def test_merge_state_of_two_key_sets_is_attention_over_both():
+    """The reference's base-2 log-sum-exps and merge_state: attention over keys A then B
+    equals merging attention over A (not causal: all of it precedes) with attention over B
+    (causal); an empty A (no cached prefix: lse -inf) leaves B's state as it is."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 4, 16, generator=gen)
+    k, v = torch.randn(12, 2, 16, generator=gen), torch.randn(12, 2, 16, generator=gen)
+    whole, whole_lse = attend_lse(q, k, v, 0.3, -1)
+    a, a_lse = attend_lse(q, k[:7], v[:7], 0.3, -1, causal=False)
+    b, b_lse = attend_lse(q, k[7:], v[7:], 0.3, -1)
+    merged, merged_lse = reference_merge_state(a, a_lse, b, b_lse)
+    torch.testing.assert_close(merged, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(merged_lse, whole_lse, atol=1e-5, rtol=1e-6)
+    s = torch.einsum("nhd,lhd->hnl", q[:, :2], k[:, :1].expand(-1, 2, -1)) * 0.3  # heads 0, 1
+    causal = torch.arange(12)[None, :] <= torch.arange(7, 12)[:, None]
+    ln = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1).T
+    torch.testing.assert_close(whole_lse[:, :2], ln * 1.4426950408889634)  # base 2
+    empty, empty_lse = attend_lse(q, k[:0], v[:0], 0.3, -1, causal=False)
+    assert empty.abs().max() == 0 and torch.isneginf(empty_lse).all()
+    torch.testing.assert_close(reference_merge_state(empty, empty_lse, b, b_lse)[0], b)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prompts_run_ragged_and_merge_the_cached_prefix(page_size):
+    """Prompts without a prefix: the ragged wrapper alone; extends over a cached prefix (and
+    decodes beside them): ragged + the paged prefix (not causal; a request without prefix has 0
+    pages and last-page length 0) + merge_state; the sliding-window layer: the paged wrapper
+    over whole sequences. All equal to torch_native, on interleaved pages."""
+    calls: dict = {}
+    ops = recording_flashinfer_ops(calls)
+    pool, (fi, _, native) = make_backends(SPECS, page_size, flashinfer_ops=ops)
+    assert set(fi.ragged) == {fi.keys[0]}  # the windowed layer's group stays paged
+    scattered_filler(pool, page_size)
+    gen = torch.Generator().manual_seed(8)
+    rows = [pool.alloc_req() for _ in range(3)]
+    compare_backends_step(pool, (fi, native), rows, [0] * 3, [20, 1, 37], SPECS, gen, 1e-5)
+    assert len(calls["ragged.run"]) == 1 and "merge_state" not in calls
+    assert not fi.with_prefix
+    # prefix hits: 20 and 37 cached tokens under new ones, a decode, and one new prompt
+    rows.append(pool.alloc_req())
+    calls.clear()
+    batch = compare_backends_step(pool, (fi, native), rows, [20, 1, 37, 0], [9, 1, 1, 6], SPECS,
+                                  gen, 1e-5)
+    assert batch.mode == ForwardMode.MIXED and fi.with_prefix
+    assert len(calls["ragged.run"]) == len(calls["merge_state"]) == 1
+    prefix_plan, window_plan = (kw for _, kw in calls["prefill.plan"])
+    assert prefix_plan["causal"] is False and window_plan["causal"] is True
+    (qo, kv_indptr, _, last), _ = (a[:4] for a, _ in calls["prefill.plan"])
+    assert kv_indptr.tolist() == [0, *accumulate(
+        -(-n // page_size) for n in [20, 1, 37, 0])]
+    assert last.tolist() == [(n - 1) % page_size + 1 if n else 0 for n in [20, 1, 37, 0]]
+    ragged_args, ragged_kw = calls["ragged.plan"][0]
+    assert ragged_args[0].tolist() == ragged_args[1].tolist() == qo.tolist() == [0, 9, 10, 11,
+                                                                                 17]
+    assert ragged_kw["causal"] is True
+    free_requests(pool, rows, [29, 2, 38, 6])
+
+
+def test_mixed_steps_match_torch_native_without_ragged():
+    """ragged=False keeps the one paged launch per layer group (the path fp8 pools take)."""
+    specs = SPECS
+    pool, (_, _, native) = make_backends(specs, 16)
+    fi = FlashInferBackend(native.ctx, flashinfer_reference_ops(), 1024, ragged=False)
+    assert fi.ragged == {}
+    run_mixed_steps(pool, (fi, native), specs, torch.Generator().manual_seed(9), 1e-5)
+
+
+def test_workspace_and_prefill_backend_options(monkeypatch):
+    """384 MiB by default (SGLang's), --flashinfer-workspace-size in MiB; the prefill wrappers
+    get backend="fa3" on Hopper where flashinfer's FA3 kernels apply, "fa2" elsewhere."""
+    assert flashinfer_backend.WORKSPACE_BYTES == 384 << 20
+    flags = {o.flag: (p, o.default) for p, o in get_registries().serve_options}
+    assert flags["--flashinfer-workspace-size"] == ("attention_flashinfer", 384)
+    assert flags["--flashinfer-prefill-backend"] == ("attention_flashinfer", "auto")
+    calls: dict = {}
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_ops", lambda: recording_flashinfer_ops(
+        calls))
+    pool = KVPool(2, 2, 16, 64, torch.bfloat16, page_size=1, max_reqs=2, max_context_len=64)
+    ctx = BackendContext(pool, SPECS, "cpu", torch.bfloat16,
+                         options={"flashinfer_workspace_size": 3})
+    fi = flashinfer_backend.from_context(ctx)
+    assert fi.workspace.numel() == 3 << 20 and fi.prefill_backend == "fa2"  # no GPU here
+    assert {kw["backend"] for _, kw in calls["prefill.__init__"] + calls["ragged.__init__"]} == {
+        "fa2"}
+    choose = flashinfer_backend.choose_prefill_backend
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert choose("auto", (9, 0), bf16, bf16, [128], True) == "fa3"
+    assert choose("auto", (9, 0), bf16, bf16, [128], False) == "fa2"  # CUDA < 12.3 build
+    assert choose("auto", (8, 0), bf16, bf16, [128], True) == "fa2"
+    assert choose("auto", (9, 0), bf16, fp8, [128], True) == "fa2"  # FA3 wants fp8 queries
+    assert choose("auto", (9, 0), bf16, bf16, [96], True) == "fa2"
+    assert choose("fa2", (9, 0), bf16, bf16, [128], True) == "fa2"
+    with pytest.raises(IncompatibleOptions, match="needs a Hopper GPU"):
+        choose("fa3", (8, 0), bf16, bf16, [128], True)
+    with pytest.raises(IncompatibleOptions, match="one of auto, fa2, fa3"):
+        choose("fa4", (9, 0), bf16, bf16, [128], True)
+
+
 # -- what the backends pass, against the real flashinfer signatures --------------------------
 def recording(cls, calls, name):
     def record(method):
@@ -305,9 +407,7 @@ def recorded_calls():
     """Every call the two backends make into flashinfer over prompts, decodes, a mixed step,
     fp8 scales and a CUDA-graph capture and replay."""
     calls: dict = {}
-    fi_ops = flashinfer_reference_ops()
-    fi_ops.prefill_wrapper = recording(ReferencePrefillWrapper, calls, "prefill")
-    fi_ops.decode_wrapper = recording(ReferenceDecodeWrapper, calls, "decode")
+    fi_ops = recording_flashinfer_ops(calls)
     trt_ops = trtllm_reference_ops()
     for name, fn in (("decode", reference_trtllm_decode), ("context", reference_trtllm_context)):
         setattr(trt_ops, name, recording_function(fn, calls, f"trtllm.{name}"))
@@ -324,20 +424,39 @@ def recorded_calls():
         b.init_forward_metadata_replay_cuda_graph(2, batch)
         run_layers((b,), batch, SPECS, gen, 0)
         free_requests(pool, rows, [8, 9])
+    # a pool in the model's dtype: prompts through the ragged wrapper, merged with the prefix
+    pool, backends = make_backends(SPECS, 16, torch.float32, fi_ops, trt_ops)
+    rows = [pool.alloc_req() for _ in range(2)]
+    compare_backends_step(pool, backends[:1], rows, [0, 0], [5, 3], SPECS, gen, 0)
+    compare_backends_step(pool, backends[:1], rows, [5, 3], [2, 4], SPECS, gen, 0)
+    free_requests(pool, rows, [7, 7])
     return calls
+
+
+def recording_flashinfer_ops(calls: dict):
+    ops = flashinfer_reference_ops()
+    ops.prefill_wrapper = recording(ReferencePrefillWrapper, calls, "prefill")
+    ops.ragged_wrapper = recording(ReferenceRaggedWrapper, calls, "ragged")
+    ops.decode_wrapper = recording(ReferenceDecodeWrapper, calls, "decode")
+    ops.merge_state = recording_function(reference_merge_state, calls, "merge_state")
+    return ops
 
 
 def test_calls_bind_to_the_real_flashinfer_signatures():
     flashinfer = pytest.importorskip(
         "flashinfer", reason="flashinfer-python is not installed: pip install "
         "'engine-attention-flashinfer[cuda]' (any machine can import it for this check)")
+    from flashinfer.cascade import merge_state
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
     from flashinfer.prefill import trtllm_batch_context_with_kv_cache
 
-    prefill, decode = (flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-                       flashinfer.BatchDecodeWithPagedKVCacheWrapper)
+    prefill, decode, ragged = (flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+                               flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+                               flashinfer.BatchPrefillWithRaggedKVCacheWrapper)
     real = {"prefill.__init__": [prefill.__init__], "prefill.plan": [prefill.plan],
-            "prefill.run": [prefill.run], "decode.__init__": [decode.__init__],
+            "prefill.run": [prefill.run], "ragged.__init__": [ragged.__init__],
+            "ragged.plan": [ragged.plan], "ragged.run": [ragged.run],
+            "merge_state": [merge_state], "decode.__init__": [decode.__init__],
             # decode.plan takes **kwargs and hands them to _plan_impl, which names them
             "decode.plan": [decode.plan, decode._plan_impl], "decode.run": [decode.run],
             "trtllm.decode": [trtllm_batch_decode_with_kv_cache],
@@ -436,3 +555,27 @@ def test_real_kernels_in_a_cuda_graph(kind):
             torch.testing.assert_close(outs[layer][:3].float(), ref[:3].float(), atol=3e-2,
                                        rtol=3e-2)
     free_requests(pool, rows, [n + 1 for n in lens])
+
+
+@pytest.mark.gpu
+def test_graph_memory_estimate_covers_the_real_backend():
+    """What flashinfer really allocates for the backend and two captured sizes stays within
+    what it reports to the CUDA-graph estimate (graph_memory_bytes)."""
+    kernels_or_skip("flashinfer")
+    specs = [AttentionLayerSpec(8, 2, 128, 128 ** -0.5),
+             AttentionLayerSpec(8, 2, 128, 128 ** -0.5, 64)]
+    pool = KVPool(2, 2, 128, 4096, torch.bfloat16, device="cuda", page_size=16, max_reqs=8,
+                  max_context_len=1024)
+    rows = [pool.alloc_req() for _ in range(2)]
+    for r in rows:
+        pool.extend_slots(r, 0, 10)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fi = flashinfer_backend.from_context(BackendContext(pool, specs, "cuda", torch.bfloat16))
+    fi.init_cuda_graph_state(2)
+    for bs in (2, 1):
+        fi.init_forward_metadata_capture_cuda_graph(bs, graph_batch(pool, rows[:bs], [10] * bs,
+                                                                    bs))
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before
+    assert used <= flashinfer_backend.graph_memory_bytes(2, 2, specs, 16, 1024), used

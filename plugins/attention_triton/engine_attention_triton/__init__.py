@@ -24,6 +24,25 @@ def _factory(ctx):
     return TritonBackend(ctx)
 
 
+def graph_memory_bytes(max_bs, num_sizes, layers, page_size, max_context_len, options):
+    """What the backend holds beside the KV pool for CUDA graphs (the CUDA-graph memory
+    estimate): the fixed query offsets and lengths, and the largest split-KV decode scratch
+    (partial outputs and log-sum-exps, float32) a captured size allocates."""
+    import torch
+
+    from engine_attention_triton.kernels import num_kv_splits
+
+    sms = (torch.cuda.get_device_properties(0).multi_processor_count
+           if torch.cuda.is_available() else 132)
+    scratch = max((bs * s.num_heads * (s.head_dim + 1) * 4
+                   * num_kv_splits(bs, s.num_kv_heads, s.num_heads // s.num_kv_heads, sms)
+                   for bs in range(1, max_bs + 1) for s in layers), default=0)
+    return 16 * max_bs + scratch
+
+
+_factory.graph_memory_bytes = graph_memory_bytes
+
+
 @hookimpl
 def register_attention_backends(register):
     # above torch_native (0), below flashinfer (20), trtllm_mha (25) and fa3 (30): auto takes
