@@ -15,6 +15,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cuda_graph import capture_sizes, estimate_graph_bytes
 from engine.device import DeviceInfo
 from engine.memory.sizing import plan
+from engine.registry import EngineError
 from engine_cli.main import cli
 from engine_cli.options import IntList
 
@@ -36,11 +37,11 @@ def sizing(config, device=H100, graph_bytes=lambda bs: bs * (100 << 20)):
 
 
 def test_default_fraction_leaves_room_for_the_graphs():
-    # 160 graphs' rows at 100 MiB each: 15.6 GiB of 79 must stay outside the static share
+    # 160 graphs' rows at 100 MiB each: 15.6 GiB of the 80 must stay outside the static share
     report = sizing(EngineConfig())
     assert report.cuda_graph_max_bs == 160 and report.cuda_graph_reserve_bytes == 160 * (100 << 20)
-    assert report.mem_fraction_static == 0.802  # below the 0.88 default
-    assert 79 * GIB * (1 - report.mem_fraction_static) >= report.cuda_graph_reserve_bytes
+    assert report.mem_fraction_static == 0.804  # below the 0.88 default
+    assert 80 * GIB * (1 - report.mem_fraction_static) >= report.cuda_graph_reserve_bytes
     line = next(x for x in report.lines() if x.startswith("cuda graph:"))
     assert "decode batches up to 160 requests, about 15.62 GiB" in line
     assert not any(x.startswith("warning") for x in report.lines())
@@ -114,3 +115,25 @@ def test_the_request_table_is_int32_and_counted(tiny_model_factory):
     table = engine.runner.kv_pool.req_to_token
     assert table.dtype == torch.int32
     assert table.numel() * 4 == engine.sizing.req_to_token_bytes
+
+
+def test_mem_fraction_static_is_a_share_of_the_gpus_total_memory():
+    """SGLang's and vLLM's meaning on a GPU: weights + KV pool get fraction x total, and what
+    other processes use at start counts inside it (not a share of the memory free at start)."""
+    busy = DeviceInfo("cuda", "NVIDIA H100", (9, 0), 80 * GIB, 60 * GIB, True)  # 20 GiB in use
+    config = EngineConfig(mem_fraction_static=0.5, disable_cuda_graph=True, max_running_requests=1)
+    report = sizing(config, busy)
+    table = 2 * 8192 * 4
+    per_token = 128 << 10
+    budget = (40 - 20 - 16) * GIB - table  # not 0.5 x 60 - 16
+    assert report.kv_pool_bytes == budget // per_token * per_token
+    assert ("mem_fraction_static=0.5 of the GPU's total memory (40.00 GiB for weights + KV pool "
+            "+ request table)") in report.lines()[0]
+    with pytest.raises(EngineError, match=r"0.4 x 80.00 GiB \(of the GPU's total memory\) is "
+                                          r"less than the 16.00 GiB of weights plus the 20.00 "
+                                          r"GiB other processes already use"):
+        sizing(EngineConfig(mem_fraction_static=0.4, disable_cuda_graph=True), busy)
+    cpu = DeviceInfo("cpu", "CPU", None, 24 * GIB, 20 * GIB)
+    line = sizing(EngineConfig(mem_fraction_static=0.9), cpu).lines()[0]
+    assert "24.00 GiB total, 20.00 GiB available at start" in line
+    assert "mem_fraction_static=0.9 of the RAM available at start (18.00 GiB" in line

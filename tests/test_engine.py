@@ -130,6 +130,12 @@ def test_token_id_prompts_one_or_many(engine):
         engine.generate([])
     with pytest.raises(RequestError, match="not both"):
         engine.generate("x", input_ids=[1])
+    # one sampling-params entry per prompt, or one for all: never a prompt silently dropped
+    with pytest.raises(RequestError, match="3 prompt.*2 sampling_params"):
+        engine.generate(["a", "b", "c"], [greedy, greedy])
+    with pytest.raises(RequestError, match="1 prompt.*2 sampling_params"):
+        engine.generate("a", [greedy, greedy])
+    assert len(engine.generate(["a", "b"], [greedy, {**greedy, "max_new_tokens": 2}])) == 2
     assert not engine.scheduler.has_work
 
 

@@ -64,3 +64,18 @@ def test_bad_input_lines_are_named(model, tmp_path, line, message):
     assert result.exit_code == 2
     assert "2" in result.output and message in result.output
     assert not out.exists() or out.read_text() == ""
+
+
+def test_ids_keep_their_json_value_and_7_is_not_seven_in_quotes(model, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"id": 7, "prompt": "a"}, {"id": "7", "prompt": "b"},
+                      {"id": [1, "x"], "prompt": "c"}])
+    result = run(model, inp, out, "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    ids = [r["id"] for r in read(out)]
+    assert sorted(ids, key=json.dumps) == sorted([7, "7", [1, "x"]], key=json.dumps)
+    again = run(model, inp, out, "--max-new-tokens", "2")  # all done: resumes with nothing
+    assert again.exit_code == 0 and "done: 0 requests" in again.output, again.output
+    write_lines(inp, [{"id": 7, "prompt": "a"}, {"id": 7, "prompt": "b"}])
+    dup = run(model, inp, tmp_path / "out2.jsonl")
+    assert dup.exit_code == 2 and "duplicate id 7" in dup.output

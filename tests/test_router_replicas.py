@@ -115,3 +115,26 @@ def test_a_dead_replica_is_restarted_with_backoff_a_bounded_number_of_times(tmp_
     replicas2.replicas[0].proc.wait(10)
     replicas2.check_exits()
     assert replicas2.replicas[0].restart_at is None
+
+
+def test_a_replicas_tp_ranks_share_the_cores_it_was_given(monkeypatch):
+    """A --dp-size replica gets OMP_NUM_THREADS = cores / N; its tp ranks split those, not the
+    machine's."""
+    import torch
+
+    from engine.device import DeviceInfo
+    from engine.parallel.launch import set_threads
+    from engine.parallel.topology import Topology
+
+    cpu = DeviceInfo("cpu", "CPU")
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")
+        set_threads(Topology(2, 1, 1, 0), cpu)
+        assert torch.get_num_threads() == 4
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr("os.cpu_count", lambda: 6)
+        set_threads(Topology(3, 1, 1, 0), cpu)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -12,21 +12,27 @@ from transformers.generation.logits_process import (
 )
 
 import engine.sampling.sampler as sampler_module
-from engine.sampling import Sampler, SamplingBatch, SamplingParams
-from engine.sampling.penalties import SeenTokens, output_counts, repetition_index
-from engine.sampling.sampler import make_generator, top_k_top_p_min_p
+from engine.sampling import Sampler, SamplingBatch, SamplingParams, SamplingState
+from engine.sampling.penalties import SeenTokens
+from engine.sampling.sampler import top_k_top_p_min_p
 
 V = 64
 EOS = 3
 
 
-def build(params, prompts=None, outputs=None, generators=None, vocab=V, eos=(EOS,)):
+def build(params, prompts=None, outputs=None, vocab=V, eos=(EOS,)):
     n = len(params)
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
-    if generators is None:
-        generators = [make_generator(p.seed) for p in params]
-    return SamplingBatch.build(params, prompts, outputs, generators, set(eos), vocab)
+    return SamplingBatch.build(params, prompts, outputs, None, set(eos), vocab)
+
+
+class FakeReq:
+    """What SamplingState reads of a request."""
+
+    def __init__(self, params, prompt_ids, output_ids=None):
+        self.params, self.prompt_ids = params, prompt_ids
+        self.output_ids = list(output_ids or [])
 
 
 def random_logits(rows, vocab=V, seed=0, scale=3.0):
@@ -100,7 +106,8 @@ def test_repetition_penalty_matches_hf_over_prompt_and_output():
     for i, r in enumerate(penalties):
         proc = RepetitionPenaltyLogitsProcessor(r)
         assert torch.equal(ours[i], hf_row([proc], logits[i], prompts[i] + outputs[i]))
-    assert batch.output_index is None  # frequency/presence untouched
+    assert batch.penalties.rows.tolist() == [1, 2, 3, 4]  # only the rows with a penalty
+    assert batch.penalties.frequency.eq(0).all() and batch.penalties.presence.eq(0).all()
 
 
 def test_frequency_and_presence_follow_the_openai_formula():
@@ -129,21 +136,26 @@ def test_all_penalties_apply_in_order_repetition_then_frequency_presence():
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
-def test_seen_tokens_give_each_row_token_pair_once_with_its_output_count():
+def test_penalty_table_holds_each_row_token_pair_once_with_its_output_count():
     prompts = [[1, 1, 2], [], [63, 0, 63], [5]]
     outputs = [[2, 7, 7], [4, 4], [], [9]]
-    seen = [SeenTokens(V, p, o) for p, o in zip(prompts, outputs)]
-    seen[3] = None  # a row without penalties
-    index = repetition_index(seen, V).tolist()
-    assert sorted(index) == sorted({r * V + t for r in range(3) for t in prompts[r] + outputs[r]})
-    index, counts = output_counts(seen, V)
-    assert dict(zip(index.tolist(), counts.tolist())) == {
-        r * V + t: outputs[r].count(t) for r in range(3) for t in set(outputs[r])}
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.1),
+              SamplingParams(presence_penalty=0.3),  # no repetition: its prompt is not kept
+              SamplingParams(repetition_penalty=0.9), SamplingParams()]
+    table = build(params, prompts, outputs).penalties
+    assert table.rows.tolist() == [0, 1, 2]
+    got = [{int(t): float(c) for t, c in zip(table.tokens[k, :n], table.counts[k, :n])}
+           for k, n in enumerate(table.length.tolist())]
+    assert got == [{1: 0, 2: 1, 7: 2}, {4: 2}, {0: 0, 63: 0}]
+    with pytest.raises(AssertionError, match="outside vocab"):
+        build([SamplingParams(repetition_penalty=1.2)], [[1, V]])
     with pytest.raises(AssertionError, match="outside vocab"):
         SeenTokens(V, [1, V], [])
 
 
-def test_running_counts_over_many_steps_equal_the_from_scratch_penalties():
+def test_running_state_over_many_steps_equals_a_from_scratch_batch():
+    """The persistent state, advanced with the sampled tokens, penalises, bans and samples
+    exactly as a batch built from scratch from the requests every step."""
     params = [
         SamplingParams(temperature=0, repetition_penalty=1.3),
         SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
@@ -151,33 +163,37 @@ def test_running_counts_over_many_steps_equal_the_from_scratch_penalties():
                        presence_penalty=1.0, min_new_tokens=5),
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.8, repetition_penalty=1.2, presence_penalty=0.3, seed=1),
+        SamplingParams(temperature=1.1, seed=2, min_new_tokens=3, stop_token_ids=[8]),
     ]
-    prompts = [[1, 2, 2, 9], [3, 4], [5, 5, 6, 7, 8, 60], [10], [11, 12, 11]]
-    outputs = [[] for _ in params]
-    seen = [SeenTokens(V, pr) if p.uses_penalties else None for p, pr in zip(params, prompts)]
-    gens, scratch_gens = ([make_generator(p.seed) for p in params] for _ in range(2))
+    prompts = [[1, 2, 2, 9], [3, 4], [5, 5, 6, 7, 8, 60], [10], [11, 12, 11], [13]]
+    reqs = [FakeReq(p, pr) for p, pr in zip(params, prompts)]
+    state = SamplingState(V, {EOS})
     for step in range(40):
         logits = random_logits(len(params), seed=100 + step, scale=1.0)
-        running = SamplingBatch.build(params, prompts, outputs, gens, {EOS}, V, seen=seen)
-        scratch = build(params, prompts, outputs, scratch_gens)
+        running = state.batch(reqs, "cpu")
+        scratch = build(params, prompts, [r.output_ids for r in reqs])
         penalized = Sampler().penalize(logits, running)
         assert torch.equal(penalized, Sampler().penalize(logits, scratch))
         for i, p in enumerate(params):  # HF's repetition rule, then OpenAI's formula
+            out = reqs[i].output_ids
             expected = hf_row([RepetitionPenaltyLogitsProcessor(p.repetition_penalty)],
-                              logits[i], prompts[i] + outputs[i])
-            for tok in set(outputs[i]):
-                count = outputs[i].count(tok)
+                              logits[i], prompts[i] + out)
+            for tok in set(out):
+                count = out.count(tok)
                 expected[tok] -= count * p.frequency_penalty + p.presence_penalty
-            if len(outputs[i]) < p.min_new_tokens:
+            if len(out) < p.min_new_tokens:
                 expected[EOS] = -math.inf
+                expected[p.stop_token_ids] = -math.inf
             torch.testing.assert_close(penalized[i], expected, rtol=0, atol=1e-6)
+        torch.manual_seed(step)
         tokens = Sampler()(logits.clone(), running, overwrite=True).next_token_ids
+        state.advance(tokens)
+        torch.manual_seed(step)
         assert torch.equal(tokens, Sampler()(logits, scratch).next_token_ids)
-        for out, s, tok in zip(outputs, seen, tokens.tolist()):
-            out.append(tok)
-            if s is not None:
-                s.add(tok)
-    assert all(len(set(out)) > 5 for out in outputs[:3])  # the penalties had tokens to act on
+        for r, tok in zip(reqs, tokens.tolist()):
+            r.output_ids.append(tok)
+    assert state.rows_built == len(reqs)  # built once, then only advanced
+    assert all(len(set(r.output_ids)) > 5 for r in reqs[:3])  # the penalties had tokens to act on
 
 
 def test_overwrite_penalizes_in_place_but_keeps_raw_logits_for_logprobs():
@@ -197,7 +213,7 @@ def test_overwrite_penalizes_in_place_but_keeps_raw_logits_for_logprobs():
 
 def test_penalty_tensors_are_skipped_when_no_row_uses_them():
     batch = build([SamplingParams(temperature=0.5), SamplingParams()], [[1, 2], [3]], [[4], [5]])
-    assert batch.repetition_index is None and batch.output_index is None and batch.banned is None
+    assert batch.penalties is None and batch.banned is None
     assert batch.filter_rows is None and batch.top_k is None and batch.top_p is None
     logits = random_logits(2)
     assert Sampler().penalize(logits, batch) is logits  # no copy when nothing changes
@@ -266,7 +282,8 @@ def test_all_greedy_batch_neither_sorts_nor_draws_noise(monkeypatch):
     params = [SamplingParams(temperature=0, top_p=0.5, seed=3), SamplingParams(top_k=1, min_p=0.3)]
     logits = random_logits(2, seed=10)
     batch = build(params)
-    assert batch.all_greedy and batch.top_p is None and batch.min_p is None and batch.seeded == []
+    assert batch.all_greedy and batch.top_p is None and batch.min_p is None
+    assert batch.seed_rows is None
     assert torch.equal(Sampler()(logits, batch).next_token_ids, logits.argmax(-1))
 
 
@@ -312,25 +329,23 @@ def test_seeded_draws_match_the_filtered_distribution():
     vocab, draws = 32, 20000
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
     logits_row = random_logits(1, vocab, seed=12, scale=1.5)[0]
-    gens = [make_generator(seed) for seed in range(draws)]
-    batch = build([params] * draws, generators=gens, vocab=vocab)
+    batch = build([dataclasses.replace(params, seed=seed) for seed in range(draws)], vocab=vocab)
     tokens = Sampler()(logits_row.expand(draws, vocab), batch).next_token_ids
     assert_matches_distribution(tokens, filtered_distribution(params, logits_row), vocab)
 
 
 def run_steps(rows, steps=6, target=0):
-    """Sample `steps` tokens for every row; return the tokens of row `target` per step."""
-    gens = [make_generator(p.seed) for p, _ in rows]
-    outputs = [[] for _ in rows]
-    picked = []
+    """Sample `steps` tokens for every row (a persistent SamplingState); return the tokens of
+    row `target` per step."""
+    reqs = [FakeReq(p, [1, 2, 3]) for p, _ in rows]
+    state = SamplingState(V, {EOS})
     for step in range(steps):
         logits = torch.stack([random_logits(1, seed=key * 100 + step)[0] for _, key in rows])
-        batch = build([p for p, _ in rows], [[1, 2, 3]] * len(rows), outputs, gens)
-        result = Sampler()(logits, batch)
-        for out, tok in zip(outputs, result.next_token_ids.tolist()):
-            out.append(tok)
-        picked.append(outputs[target][-1])
-    return picked
+        result = Sampler()(logits, state.batch(reqs, "cpu"))
+        state.advance(result.next_token_ids)
+        for r, tok in zip(reqs, result.next_token_ids.tolist()):
+            r.output_ids.append(tok)
+    return reqs[target].output_ids
 
 
 @pytest.mark.parametrize(
@@ -393,8 +408,3 @@ def test_no_logprobs_when_nobody_asks():
     result = Sampler()(random_logits(2), build([SamplingParams(), SamplingParams(temperature=0)]))
     assert result.logprobs is None and result.top_logprobs is None
     assert result.next_token_ids.dtype == torch.int64 and result.next_token_ids.shape == (2,)
-
-
-def test_seeded_request_needs_a_generator():
-    with pytest.raises(AssertionError, match="generator"):
-        build([SamplingParams(seed=1)], generators=[None])

@@ -98,3 +98,20 @@ def test_preemption_logs_vllms_warning_with_the_cumulative_count(tiny_model_fact
             log.retraction([f"r{i}-{j}" for j in range(10)], 0.5, 0.6)
     counts = [m.rsplit("=", 1)[1] for m in caplog.messages if m.startswith("Sequence group")]
     assert counts == ["1", "51", "101"]
+
+
+@pytest.mark.parametrize("spelling, name", [("fp8", "fp8_e4m3"), ("bfloat16", "bf16"),
+                                            ("float16", "fp16"), ("fp8_e5m2", "fp8_e5m2")])
+def test_kv_cache_dtype_spellings_of_vllm_and_sglang(tiny_model_factory, spelling, name):
+    """vLLM's --kv-cache-dtype fp8 is fp8_e4m3; both anchors take bfloat16."""
+    from engine import Engine
+
+    assert cfg(kv_cache_dtype=spelling).kv_cache_dtype == name
+    engine = Engine(tiny_model_factory("LlamaForCausalLM"), device="cpu", max_total_tokens=512,
+                    kv_cache_dtype=spelling)
+    assert engine.config.kv_cache_dtype == name
+    assert engine.generate("Hi", {"max_new_tokens": 2, "temperature": 0})["output_ids"]
+    out = CliRunner().invoke(cli, ["serve", "--help"]).output
+    assert "fp8|bfloat16" in out.replace("\n", "").replace(" ", "")
+    bad = CliRunner().invoke(cli, ["serve", "--kv-cache-dtype", "fp9"])
+    assert bad.exit_code == 2 and "fp9" in bad.output

@@ -18,9 +18,23 @@ class BatchInputError(click.ClickException):
 @dataclass
 class Job:
     line_no: int
-    rid: str
+    id: object  # the line's "id" as its JSON value (7 stays 7, "7" stays "7"), else "<line>"
     prompt: object  # text or token ids
     params: dict
+
+    @property
+    def rid(self) -> str:
+        """The engine's request id (text)."""
+        return str(self.id)
+
+    @property
+    def key(self) -> str:
+        """What tells ids apart: their JSON (so 7 and "7" are two ids)."""
+        return id_key(self.id)
+
+
+def id_key(value) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def read_jobs(path: str, defaults: dict) -> list[Job]:
@@ -40,17 +54,18 @@ def read_jobs(path: str, defaults: dict) -> list[Job]:
             prompt = row.get("prompt", row.get("text", row.get("input_ids")))
             if prompt is None:
                 raise BatchInputError(f"{path}:{no}: no \"prompt\" (or \"text\" / \"input_ids\").")
-            rid = str(row.get("id", no))
-            if rid in seen:
-                raise BatchInputError(f"{path}:{no}: duplicate id {rid!r}.")
-            seen.add(rid)
+            value = row["id"] if "id" in row else str(no)  # no id: the line number
+            if id_key(value) in seen:
+                raise BatchInputError(f"{path}:{no}: duplicate id {json.dumps(value)}.")
+            seen.add(id_key(value))
             params = {**defaults, **(row.get("sampling_params") or {})}
-            jobs.append(Job(no, rid, prompt, params))
+            jobs.append(Job(no, value, prompt, params))
     return jobs
 
 
 def finished_ids(path: str) -> set[str]:
-    """Ids already in the output file; a torn last line (interrupted write) is dropped."""
+    """Ids already in the output file (as ``id_key``s); a torn last line (interrupted write)
+    is dropped."""
     if not os.path.exists(path):
         return set()
     done, keep = set(), 0
@@ -58,7 +73,7 @@ def finished_ids(path: str) -> set[str]:
         data = f.read()
     for line in data.splitlines(keepends=True):
         try:
-            done.add(str(json.loads(line)["id"]))
+            done.add(id_key(json.loads(line)["id"]))
             keep += len(line)
         except (ValueError, KeyError):
             break
@@ -71,7 +86,7 @@ def finished_ids(path: str) -> set[str]:
 def run_job(engine, jobs: list[Job], output: str, echo=click.echo) -> dict:
     """Run ``jobs`` through ``engine``, appending each result to ``output`` as it finishes."""
     done = finished_ids(output)
-    todo = [j for j in jobs if j.rid not in done]
+    todo = [j for j in jobs if j.key not in done]
     if done:
         echo(f"resuming: {len(jobs) - len(todo)} of {len(jobs)} already in {output}")
     pending = {}
@@ -79,11 +94,11 @@ def run_job(engine, jobs: list[Job], output: str, echo=click.echo) -> dict:
         try:
             reqs = engine.add_request(job.prompt, job.params, rid=job.rid)
         except ValueError as exc:
-            for queued in pending.values():
+            for _, queued in pending.values():
                 for r in queued:
                     engine.abort(r)
-            raise BatchInputError(f"line {job.line_no} (id {job.rid!r}): {exc}")
-        pending[job.rid] = reqs
+            raise BatchInputError(f"line {job.line_no} (id {json.dumps(job.id)}): {exc}")
+        pending[job.key] = (job, reqs)
     sched = engine.scheduler
     peak_usage, tokens, start = 0.0, 0, time.perf_counter()
     retracted_before = sched.counters.retracted_reqs
@@ -93,9 +108,11 @@ def run_job(engine, jobs: list[Job], output: str, echo=click.echo) -> dict:
         while pending:
             tokens += len(engine.step())  # each touched request got one token
             peak_usage = max(peak_usage, sched.num_used_tokens / sched.kv.pool.size)
-            for rid in [rid for rid, reqs in pending.items() if all(r.finished for r in reqs)]:
-                outs = [engine.output(r) for r in pending.pop(rid)]
-                row = {"id": rid, **outs[0]} if len(outs) == 1 else {"id": rid, "choices": outs}
+            for key in [k for k, (_, reqs) in pending.items() if all(r.finished for r in reqs)]:
+                job, reqs = pending.pop(key)
+                outs = [engine.output(r) for r in reqs]
+                row = ({"id": job.id, **outs[0]} if len(outs) == 1 else
+                       {"id": job.id, "choices": outs})
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()  # an interruption loses nothing that finished
                 elapsed = time.perf_counter() - start

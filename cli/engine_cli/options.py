@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import click
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPE_ALIASES, EngineConfig
 from engine.plugins import get_registries
 from engine.registry import UnknownName, resolve_policy
 
@@ -28,12 +28,15 @@ class RegistryChoice(click.ParamType):
     """A name from one of the plugin registries; a wrong one fails with the registry's message
     (did-you-mean, what is registered and by which distribution)."""
 
-    def __init__(self, registry: str, special: tuple[str, ...] = ()):
+    def __init__(self, registry: str, special: tuple[str, ...] = (),
+                 aliases: dict[str, str] | None = None):
         self.registry, self.special = registry, special
+        self.aliases = aliases or {}  # other spellings -> the registered name
         self.name = registry
 
     def _names(self) -> list[str]:
-        return [*self.special, *getattr(get_registries(), self.registry).names()]
+        names = getattr(get_registries(), self.registry).names()
+        return [*self.special, *names, *(a for a, n in self.aliases.items() if n in names)]
 
     def get_metavar(self, param, ctx=None) -> str:
         return "[" + "|".join(self._names()) + "]"
@@ -41,6 +44,7 @@ class RegistryChoice(click.ParamType):
     def convert(self, value, param, ctx):
         if value is None or value in self.special:
             return value
+        value = self.aliases.get(value, value)
         regs = get_registries()
         try:
             if self.registry == "policies":
@@ -132,7 +136,8 @@ ENGINE_OPTIONS = [
     click.option("--device", default=_D.device, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--attention-backend", default=_D.attention_backend,
                  type=RegistryChoice("attention", ("auto",))),
-    click.option("--kv-cache-dtype", default=_D.kv_cache_dtype, type=RegistryChoice("kv_dtypes")),
+    click.option("--kv-cache-dtype", default=_D.kv_cache_dtype,
+                 type=RegistryChoice("kv_dtypes", aliases=KV_CACHE_DTYPE_ALIASES)),
     click.option("--quantization", default=None, type=RegistryChoice("quantization")),
     click.option("--page-size", type=int, help="Tokens per KV page.  [default: 1, or the "
                                                 "attention backend's own (trtllm_mha: 64)]"),
@@ -183,6 +188,11 @@ ENGINE_OPTIONS = [
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
                  help="vLLM's: --no-enable-chunked-prefill = --chunked-prefill-size -1."),
     click.option("--seed", default=_D.seed, type=int),
+    click.option("--trust-request-chat-template", is_flag=True,
+                 help="engine serve: render a Jinja chat template sent with a chat request "
+                      "(chat_template, or chat_template_kwargs.chat_template); without it such "
+                      "a request gets a 400. Request templates render in a sandbox bounded in "
+                      "time and size, but trust the clients that can send them."),
     click.option("--grammar-backend", default=_D.grammar_backend,
                  type=RegistryChoice("grammar", ("auto", "none")),
                  help="Structured outputs (response_format, json_schema, regex, ebnf, guided_*). "

@@ -3,6 +3,11 @@
 One rule per symptom of SGLang's hyperparameter tuning guide. The advisor plugin feeds it one
 sample per scheduler step; `engine doctor` one per poll of a running server's /metrics and
 /get_server_info: both print the same advice from the same code.
+
+Each rule also checks the symptoms that rule it out, so that one window never gets two
+contradicting pieces of advice: requests waiting in the queue mean the client is not what
+keeps the batch small; frequent retractions mean conservativeness must go up, not down (a
+retraction recomputes work, so it outweighs the admission it bought).
 """
 
 from __future__ import annotations
@@ -78,7 +83,10 @@ def queue_empty(samples: list[Sample], settings: Settings) -> Advice | None:
 
 def low_token_usage(samples: list[Sample], settings: Settings) -> Advice | None:
     """Requests wait while the pool has room and the batch is not full: the reservation for
-    the running requests' max_new_tokens keeps them out."""
+    the running requests' max_new_tokens keeps them out. Not while retractions are frequent:
+    then the reservation is too small, whatever the usage in between."""
+    if _retractions(samples)[0]:
+        return None
     waiting = [s for s in samples if s.queued > 0 and s.running < settings.max_running_requests]
     if len(waiting) < MIN_SAMPLES or len(waiting) < FREQUENTLY * len(samples):
         return None
@@ -97,13 +105,20 @@ def low_token_usage(samples: list[Sample], settings: Settings) -> Advice | None:
          "mean_token_usage": round(usage, 3)})
 
 
-def frequent_retractions(samples: list[Sample], settings: Settings) -> Advice | None:
+def _retractions(samples: list[Sample]) -> tuple[bool, int, float, float]:
+    """(frequent?, requests retracted, seconds, per minute) over the window."""
     if len(samples) < 2:
-        return None
+        return False, 0, 0.0, 0.0
     retracted = samples[-1].retracted_total - samples[0].retracted_total
     seconds = max(samples[-1].time - samples[0].time, 1e-6)
     per_minute = retracted * 60 / seconds
-    if retracted < MIN_RETRACTIONS or per_minute <= RETRACTIONS_PER_MINUTE:
+    frequent = retracted >= MIN_RETRACTIONS and per_minute > RETRACTIONS_PER_MINUTE
+    return frequent, retracted, seconds, per_minute
+
+
+def frequent_retractions(samples: list[Sample], settings: Settings) -> Advice | None:
+    frequent, retracted, seconds, per_minute = _retractions(samples)
+    if not frequent:
         return None
     events = sum(1 for a, b in zip(samples, samples[1:]) if b.retracted_total > a.retracted_total)
     return Advice("frequent_retractions", (
@@ -153,10 +168,12 @@ def small_decode_batch(samples: list[Sample], settings: Settings) -> Advice | No
     if full >= FREQUENTLY:
         why = (f"the KV pool is full (token usage >= {GOOD_USAGE} in {full:.0%} of the steps): "
                f"increase --mem-fraction-static (or --max-total-tokens) for a larger KV pool")
-    else:
+    elif _share(decoding, lambda s: s.queued == 0) >= MOSTLY:
         why = (f"the pool has room (token usage {_mean(s.token_usage for s in decoding):.2f} on "
                f"average) and #queue-req is {_mean(s.queued for s in decoding):.1f} on average: "
                f"the client sends requests too slowly")
+    else:  # requests wait while the pool has room: admission holds them (low_token_usage's
+        return None  # advice, or retractions'), not the client
     return Advice("small_decode_batch", (
         f"the decode batch (#running-req {batch:.1f} on average over {len(decoding)} steps) is "
         f"much smaller than --max-running-requests {cap}: {why}."),

@@ -14,6 +14,12 @@ class ConfigError(EngineError, ValueError):
 _DEFAULT_MAX_PREFILL_TOKENS = 16384
 
 
+# --kv-cache-dtype spellings of vLLM and SGLang for the registered names: vLLM's "fp8" is
+# fp8_e4m3 (its docs: "fp8 and fp8_e4m3 are the same"), SGLang and vLLM both take "bfloat16"
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "fp16",
+                          "float32": "fp32"}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None
@@ -37,6 +43,8 @@ class EngineConfig:
     disable_radix_cache: bool = False
     decode_log_interval: int = 40
     max_queued_requests: int | None = None
+    # the server renders a chat template sent with a request (vLLM's flag; off: refused)
+    trust_request_chat_template: bool = False
     # SGLang's overlap scheduler: the next batch is prepared while the model runs this one
     # (off by default here: on a CPU both threads share the cores); disable_... is SGLang's
     # spelling of the default
@@ -82,6 +90,7 @@ class EngineConfig:
                 raise ConfigError(msg)
 
         self._fold_vllm_spellings(need)
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")

@@ -74,7 +74,7 @@ class Engine:
         import torch
 
         torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
-        from engine.cuda_graph import estimate_graph_bytes
+        from engine.cuda_graph import backend_graph_bytes, estimate_graph_bytes
         from engine.grammar import build_compiler
         from engine.memory.radix_cache import RadixCache
         from engine.memory.sizing import plan
@@ -113,9 +113,16 @@ class Engine:
         reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
                      if kv_entry.obj.needs_scale else None)
         itemsize = torch.empty((), dtype=runner.dtype).element_size()
+        # what the attention backend holds beside the pool (graph wrappers, index buffers,
+        # workspaces), as its registration reports it
+        backend_bytes = backend_graph_bytes(
+            attn_entry.obj, getattr(runner, "layer_specs", None) or mc.layer_specs(),
+            config.page_size, config.max_model_len or mc.max_position_embeddings,
+            config.plugin_options.get(attn_entry.plugin, {}), config.cuda_graph_bs)
         self.sizing = plan(config, device, weights, kv_per_token,
                            config.kv_cache_dtype, mc.max_position_embeddings, reference,
-                           graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs))
+                           graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs,
+                                                                       backend_bytes))
         pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
                                    self.sizing.max_running_requests, self.sizing.context_length)
         if runner.compiled is not None:
@@ -227,15 +234,17 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, prompt, sampling_params=None, rid: str | None = None,
-                    stream: bool = False, constraint=None) -> list:
+                    stream: bool = False, constraint=None,
+                    prompt_logprobs: int | None = None) -> list:
         """Queue one prompt (text or token ids); returns its ``n`` Req objects. ``constraint``
         (an engine.interfaces.Constraint; default: the params' json_schema / regex / ebnf) is
         compiled on a worker thread: the requests wait in the queue meanwhile, and one whose
-        compile fails finishes with reason "error" (``Req.error`` says why)."""
+        compile fails finishes with reason "error" (``Req.error`` says why).
+        ``prompt_logprobs``: also score the prompt's own tokens, with that many top entries
+        per position (the first request only; with max_new_tokens 0 it only scores)."""
         from engine.grammar import RequestGrammar
 
         from engine.sampling import IncrementalDetokenizer
-        from engine.sampling.sampler import make_generator
         from engine.scheduler.request import Req, Status
 
         params = self.make_params(sampling_params)
@@ -249,14 +258,15 @@ class Engine:
         for i in range(params.n):
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            req = Req(rid if params.n == 1 else f"{rid}-{i}", list(ids), p,
-                      generator=make_generator(p.seed), group_leader=leader)
+            req = Req(rid if params.n == 1 else f"{rid}-{i}", list(ids), p, group_leader=leader)
             if constraint is not None:  # its own matcher; the compile is shared (cached)
                 req.grammar = RequestGrammar(self.grammar, constraint)
-            if stream or p.stop:
+            if p.stop:  # only stop strings need text on the engine thread (stream: server)
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
+            if prompt_logprobs is not None and leader is None:
+                req.prompt_logprobs = prompt_logprobs
             leader = leader or req
-            if p.max_new_tokens == 0:  # nothing to generate: done without touching the model
+            if p.max_new_tokens == 0 and req.prompt_logprobs is None:  # nothing to run
                 req.status, req.finish_reason = Status.FINISHED, "length"
             else:
                 self.scheduler.add(req)
@@ -343,6 +353,10 @@ class Engine:
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):  # zip() would drop prompts silently
+            raise RequestError(f"{len(prompts)} prompt(s) but {len(sampling_params)} "
+                               f"sampling_params entries: give one per prompt, or a single "
+                               f"dict (or SamplingParams) for all of them.")
         params = [self.make_params(sp) for sp in sampling_params]
         for p in params:  # a malformed constraint raises here (GrammarError), not mid-run
             if p.constraint() is not None:
@@ -354,16 +368,21 @@ class Engine:
         return outputs[0] if single and len(outputs) == 1 else outputs
 
     def output(self, req) -> dict:
+        return {"text": self.output_text(req), "output_ids": list(req.output_ids),
+                "meta_info": self.meta_info(req)}
+
+    def output_text(self, req) -> str:
+        """The text of finished ``req`` (decodes: the server calls it off the engine thread)."""
+        if req.detokenizer is not None:
+            return req.detokenizer.text + req.detokenizer.finish()
+        # a final EOS or stop token id is reported in output_ids, not in the text
+        return self.tokenizer.decode(shown_ids(req),
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    def meta_info(self, req) -> dict:
+        """``output()``'s meta_info: no text, so no decoding."""
         p = req.params
         ids = req.output_ids
-        if req.detokenizer is not None:
-            text = req.detokenizer.text + req.detokenizer.finish()
-        else:
-            # a final EOS or stop token id is reported in output_ids, not in the text
-            shown = ids
-            if req.finish_reason == "stop" and isinstance(req.matched_stop, int):
-                shown = ids[:-1]
-            text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
         reason = {"type": req.finish_reason}
         if req.finish_reason == "stop":
             reason["matched"] = req.matched_stop
@@ -377,4 +396,15 @@ class Engine:
         if p.logprobs:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+        if req.prompt_logprobs is not None:  # SGLang's names
+            meta["input_token_logprobs"] = list(zip(req.input_logprobs, req.prompt_ids))
+            meta["input_top_logprobs"] = req.input_top_logprobs
+        return meta
+
+
+def shown_ids(req) -> list[int]:
+    """The output tokens whose text a request shows: all but a final EOS / stop token id."""
+    ids = req.output_ids
+    if req.finish_reason == "stop" and isinstance(req.matched_stop, int):
+        return ids[:-1]
+    return ids

@@ -44,6 +44,28 @@ class ForwardBatch:
         return [p + e for p, e in zip(self.prefix_lens_list, self.extend_lens_list)]
 
     @classmethod
+    def decode(cls, input_ids: list[int], prefix_lens: list[int], req_pool_indices: list[int],
+               req_to_token: torch.Tensor, device="cpu") -> "ForwardBatch":
+        """What ``build`` makes of ``[[t] for t in input_ids]`` (a DECODE batch, its slots read
+        from ``req_to_token``), from one host tensor for the per-request lists: a decode step
+        builds this every step, for every running request."""
+        b = len(input_ids)
+        assert b > 0, "every request in a batch brings at least one token"
+        host = torch.tensor([input_ids, prefix_lens, req_pool_indices, prefix_lens],
+                            dtype=torch.int64)
+        if torch.device(device) != host.device:
+            host = host.to(device)
+        ids_t, positions_t, rows_t, prefix_t = host.unbind(0)
+        return cls(
+            mode=ForwardMode.DECODE, input_ids=ids_t, positions=positions_t,
+            out_cache_loc=req_to_token[rows_t, positions_t].to(device=device, dtype=torch.int64),
+            req_pool_indices=rows_t, prefix_lens=prefix_t,
+            extend_lens=torch.ones(b, dtype=torch.int64, device=device), seq_lens=prefix_t + 1,
+            req_to_token=req_to_token, prefix_lens_list=list(prefix_lens),
+            extend_lens_list=[1] * b, logits_indices=torch.arange(b, device=device),
+        )
+
+    @classmethod
     def build(cls, input_ids: list[list[int]], prefix_lens: list[int], req_pool_indices: list[int],
               out_cache_loc: torch.Tensor | None, req_to_token: torch.Tensor,
               device="cpu") -> "ForwardBatch":

@@ -6,8 +6,13 @@ from dataclasses import asdict, dataclass
 
 from engine.registry import EngineError
 
-# On a GPU the static share is weights + KV (SGLang's default is about 0.88 on big GPUs). On a CPU
-# "device memory" is the RAM available at start, shared with the OS and everything else running.
+# What --mem-fraction-static (vLLM: --gpu-memory-utilization) is a fraction of. On a GPU, of its
+# *total* memory, as SGLang and vLLM mean it: weights + KV pool (+ the request table) get that
+# share, and memory other processes already use at start counts inside it (SGLang computes the
+# pool from the memory free after loading minus total x (1 - fraction)); SGLang's default is
+# about 0.88 on big GPUs. On a CPU, of the RAM available at start (MemAvailable): the total is
+# shared with the OS and everything else running.
+FRACTION_OF = {"cuda": "of the GPU's total memory", "cpu": "of the RAM available at start"}
 DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.3}
 DEFAULT_CHUNKED_PREFILL = {"cuda": 8192, "cpu": 512}
 # request-table rows: an upper bound on concurrently running requests
@@ -41,6 +46,9 @@ class SizingReport:
     cuda_graph_reserve_bytes: int = 0
     # the request table (kv_pool.req_to_token: int32, a row per running request + scratch row)
     req_to_token_bytes: int = 0
+    total_memory_bytes: int = 0  # the device's (GPU) or the machine's (RAM) total
+    fraction_base_bytes: int = 0  # what mem_fraction_static is a fraction of (see FRACTION_OF)
+    fraction_of: str = ""  # and in words
 
     def lines(self) -> list[str]:
         gib = 1 << 30
@@ -52,7 +60,7 @@ class SizingReport:
                        f"{self.kv_pool_bytes / (1 << 20):.1f} MiB"]
         graphs = []
         if self.cuda_graph_max_bs:
-            room = int(self.available_memory_bytes * (1 - self.mem_fraction_static))
+            room = int(self.fraction_base_bytes * (1 - self.mem_fraction_static))
             graphs = [f"cuda graph: decode batches up to {self.cuda_graph_max_bs} requests, "
                       f"about {self.cuda_graph_reserve_bytes / gib:.2f} GiB expected outside "
                       f"mem_fraction_static (which leaves {room / gib:.2f} GiB)"]
@@ -60,8 +68,11 @@ class SizingReport:
                 graphs.append("warning: that may not fit: lower --mem-fraction-static or "
                               "--cuda-graph-max-bs (or --disable-cuda-graph)")
         return [
-            f"device: {self.device}, memory available at start: "
-            f"{self.available_memory_bytes / gib:.2f} GiB, mem_fraction_static={self.mem_fraction_static}",
+            f"device: {self.device}, memory: {self.total_memory_bytes / gib:.2f} GiB total, "
+            f"{self.available_memory_bytes / gib:.2f} GiB available at start; "
+            f"mem_fraction_static={self.mem_fraction_static} {self.fraction_of} "
+            f"({self.fraction_base_bytes * self.mem_fraction_static / gib:.2f} GiB for weights + "
+            f"KV pool + request table)",
             f"weights: {self.weight_bytes / gib:.3f} GiB; KV cache: {self.kv_bytes_per_token} bytes/token "
             f"({self.kv_dtype}), max_total_num_tokens={self.max_total_tokens}, "
             f"KV pool {self.kv_pool_bytes / gib:.3f} GiB",
@@ -96,9 +107,12 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     kind = "cuda" if device.is_cuda else "cpu"
     graph_bs = cuda_graph_max_bs(config, device)
     reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
+    # a GPU's total (what others use at start counts inside the share); a CPU's available RAM
+    base = device.total_memory if device.is_cuda else device.available_memory
+    in_use = device.total_memory - device.available_memory if device.is_cuda else 0
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION[kind]
-    if config.mem_fraction_static is None and reserve and device.available_memory:
-        fraction = min(fraction, int(1000 * (1 - reserve / device.available_memory)) / 1000)
+    if config.mem_fraction_static is None and reserve and base:
+        fraction = min(fraction, int(1000 * (1 - reserve / base)) / 1000)
     context = config.max_model_len or model_context_len
     if context > model_context_len:
         raise EngineError(
@@ -110,14 +124,17 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     if config.max_total_tokens is not None:
         total = config.max_total_tokens
     else:
-        budget = int(device.available_memory * fraction) - weight_bytes - (
+        budget = int(base * fraction) - in_use - weight_bytes - (
             table_rows * context * REQ_TO_TOKEN_ITEMSIZE)
         total = budget // kv_bytes_per_token
         if total < 1:
+            gib = 1 << 30
+            others = (f" plus the {in_use / gib:.2f} GiB other processes already use" if in_use
+                      else "")
             raise EngineError(
-                f"--mem-fraction-static {fraction} leaves no room for the KV cache: "
-                f"{fraction} x {device.available_memory / (1 << 30):.2f} GiB available is less "
-                f"than the {weight_bytes / (1 << 30):.2f} GiB of weights. Raise "
+                f"--mem-fraction-static {fraction} leaves no room for the KV cache: {fraction} x "
+                f"{base / gib:.2f} GiB ({FRACTION_OF[kind]}) is less than the "
+                f"{weight_bytes / gib:.2f} GiB of weights{others}. Raise "
                 f"--mem-fraction-static or set --max-total-tokens.")
     page = config.page_size or 1  # the engine has set the backend's default by now
     total -= total % page
@@ -142,4 +159,6 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
                              if reference_kv else None),
         cuda_graph_max_bs=graph_bs, cuda_graph_reserve_bytes=reserve,
         req_to_token_bytes=(max_running + 1) * context * REQ_TO_TOKEN_ITEMSIZE,
+        total_memory_bytes=device.total_memory, fraction_base_bytes=base,
+        fraction_of=FRACTION_OF[kind],
     )

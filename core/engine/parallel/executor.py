@@ -5,7 +5,12 @@ gets the logits back from the last stage (pipeline.py).
 
 It also watches the workers: a local one that exits, or any one whose heartbeat stops, is named
 in ``failure`` (the server's /health then answers 503 with it), and a forward that fails
-because a rank went away raises RankFailed naming that rank instead of a bare socket error."""
+because a rank went away raises RankFailed naming that rank instead of a bare socket error.
+
+A forward whose rank-0 part raises (an out-of-memory error, say) while every worker still
+finished that forward (each reports its forwards in the store, failed or not) raises that error
+as it is: the batch fails and the engine goes on, as in one process. Only when a worker is
+stuck (rank 0 left a collective it was waiting in) or gone is it fatal."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from engine.registry import EngineError
 logger = logging.getLogger("engine.parallel")
 SILENT_AFTER_S = 10.0  # a rank whose heartbeat has not moved for this long is declared gone
 FAILURE_GRACE_S = 3.0  # after a collective fails, how long to look for the rank to blame
+# after rank 0's part of a forward raised: how long the workers get to report that forward
+FORWARD_SETTLE_S = 5.0
 
 
 class RankFailed(EngineError):
@@ -41,6 +48,7 @@ class ParallelRunner:
         self.failure: str | None = None
         self._beats: dict[int, tuple[int, float]] = {}
         self._closed = False
+        self._forwards = 0  # forwards sent to the workers (they count theirs alike)
         self.rank_sizes = self._gather_sizes()
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
@@ -74,6 +82,10 @@ class ParallelRunner:
         message.parts = self.micro_batches(batch.batch_size)
         try:
             self._send("forward", message)
+        except Exception as e:  # noqa: BLE001 - the control group failed: find out who left
+            raise RankFailed(self._blame(e)) from None
+        self._forwards += 1
+        try:
             if self.topo.pp == 1:
                 return self.inner.forward(batch, return_all_logits)
             parts = message.batches(pool.req_to_token)
@@ -81,9 +93,12 @@ class ParallelRunner:
             return receive_logits(self.topo, parts, return_all_logits,
                                   self.inner.model_config.vocab_size,
                                   self.inner.device.torch_device)
-        except RankFailed:
-            raise
-        except Exception as e:  # noqa: BLE001 - a collective that failed: find out who left
+        except Exception as e:  # noqa: BLE001 - the batch's failure, or a rank's: which?
+            if self._workers_finished(self._forwards):
+                logger.warning(f"rank 0's part of forward {self._forwards} failed "
+                               f"({type(e).__name__}); every worker finished it: the batch "
+                               f"fails, the ranks stay in step")
+                raise
             raise RankFailed(self._blame(e)) from None
 
     def micro_batches(self, batch_size: int) -> int:
@@ -169,6 +184,21 @@ class ParallelRunner:
                 self.failure = found
                 logger.error(self._cannot_serve())
             time.sleep(1.0)
+
+    def _workers_finished(self, seq: int) -> bool:
+        """Whether every worker reports forward ``seq`` done (failed or not) within
+        FORWARD_SETTLE_S: then none waits in a collective rank 0 left, and the next forward
+        finds them all in step."""
+        if self.failure:
+            return False
+        deadline = time.monotonic() + FORWARD_SETTLE_S
+        left = set(range(1, self.topo.world))
+        while left and time.monotonic() < deadline:
+            left = {r for r in left
+                    if (rendezvous.read_forward(self.ctx.store, r) or (0, ""))[0] < seq}
+            if left:
+                time.sleep(0.05)
+        return not left
 
     def _blame(self, e: Exception) -> str:
         deadline = time.monotonic() + FAILURE_GRACE_S

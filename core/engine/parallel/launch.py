@@ -44,9 +44,13 @@ def topology(config) -> Topology:
 
 
 def set_threads(topo: Topology, device) -> None:
-    """On a CPU the node's ranks share its cores: give each its share (at least one)."""
+    """On a CPU the node's ranks share its cores: give each its share (at least one). The cores
+    are those OMP_NUM_THREADS gives this engine (a --dp-size replica gets 1/N of them), else all
+    of the machine's."""
     if not device.is_cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.per_node))
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        cores = int(given) if given.isdigit() and int(given) > 0 else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // topo.per_node))
 
 
 def join_world(config, topo: Topology, rank: int, store, strategy, num_layers: int,

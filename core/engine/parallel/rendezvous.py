@@ -126,6 +126,23 @@ def init_process_group(store, backend: str, rank: int, world: int, timeout_s: in
             from None
 
 
+def report_forward(store, rank: int, seq: int, error: str | None) -> None:
+    """A worker finished its ``seq``-th forward (``error``: it raised, and goes on): rank 0
+    reads it only when its own part of that forward failed."""
+    store.set(f"forward/{rank}", f"{seq} {error or 'ok'}")
+
+
+def read_forward(store, rank: int) -> tuple[int, str] | None:
+    """(seq, "ok" or the error) of the last forward ``rank`` finished; None before any."""
+    try:
+        if store.check([f"forward/{rank}"]):
+            seq, _, status = store.get(f"forward/{rank}").decode().partition(" ")
+            return int(seq), status
+    except Exception:  # noqa: BLE001 - the store may be gone: the caller blames someone
+        pass
+    return None
+
+
 def report_error(store, rank: int, message: str) -> None:
     """A worker's last words, for rank 0 to name it with."""
     try:

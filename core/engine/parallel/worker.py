@@ -58,15 +58,24 @@ def serve_rank(ctx: RankContext, runner) -> None:
     """Report this rank's sizes to rank 0, then follow its messages until ``stop``."""
     dist.gather_object((runner.weight_bytes, runner.kv_bytes_per_token()), None, dst=0,
                        group=ctx.control)
+    forwards = 0
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctx.control)
         kind, payload = box[0]
         if kind == "forward":
             table = runner.kv_pool.req_to_token
-            payload.apply_edits(table)
-            run_stage(runner, ctx.topo, ctx.rank, payload.batches(table),
-                      payload.return_all_logits)
+            payload.apply_edits(table)  # a table out of step with rank 0's is fatal
+            forwards += 1
+            error = None
+            try:
+                run_stage(runner, ctx.topo, ctx.rank, payload.batches(table),
+                          payload.return_all_logits)
+            except Exception as e:  # noqa: BLE001 - an OOM, say: that batch fails, not the rank
+                error = f"{type(e).__name__}: {e}"
+                logger.warning(f"{ctx.topo.describe(ctx.rank)}: forward {forwards} failed "
+                               f"({error}); waiting for rank 0's next message")
+            rendezvous.report_forward(ctx.store, ctx.rank, forwards, error)
         elif kind == "kv_pool":
             runner.init_kv_pool(**payload)
         elif kind == "graphs":

@@ -1,6 +1,6 @@
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.params import SamplingParams, SamplingParamsError
-from engine.sampling.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
+from engine.sampling.sampler import SampleOutput, Sampler, SamplingBatch, SamplingState
 from engine.sampling.stop import find_stop, partial_stop_len, token_stop_reason
 
 __all__ = [
@@ -10,8 +10,8 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "SamplingParamsError",
+    "SamplingState",
     "find_stop",
-    "make_generator",
     "partial_stop_len",
     "token_stop_reason",
 ]

@@ -1,12 +1,184 @@
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from engine.sampling.params import SamplingParams
-from engine.sampling.stop import find_stop, partial_stop_len
 
 # Prompt tokens decoded before the first output token, so tokenizers that drop a leading space
 # at the start of a decode (SentencePiece) still produce it for the first output token.
 _CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
+
+
+def window_decoder(tokenizer):
+    """``decode(ids, skip_special_tokens) -> str`` for ``tokenizer`` without clean-up: the Rust
+    tokenizer's own decode when ``tokenizer`` is a plain HF fast tokenizer (what its ``decode``
+    does, without the Python layers around it: a few times faster on the short windows the
+    detokenizer decodes), else ``tokenizer.decode``. Its ``concatenative`` attribute is True
+    when decoding two runs of tokens that meet at a character boundary gives the two texts
+    joined (a byte-level BPE: GPT-2, Llama 3, Qwen, SmolLM2), unlike decoders that drop a
+    leading space at the start of a decode (SentencePiece). Made once per tokenizer."""
+    cached = getattr(tokenizer, "_engine_window_decoder", None)
+    if cached is not None:
+        return cached
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer, decoders
+        from transformers import PreTrainedTokenizerFast as Fast
+    except ImportError:  # pragma: no cover - both come with the engine
+        Tokenizer = Fast = None
+    if (Tokenizer is not None and isinstance(backend, Tokenizer) and isinstance(tokenizer, Fast)
+            and type(tokenizer).decode is Fast.decode and type(tokenizer)._decode is Fast._decode):
+        decode = backend.decode
+
+        def fn(ids, skip):
+            return decode(ids, skip_special_tokens=skip)
+        fn.concatenative = isinstance(backend.decoder, decoders.ByteLevel)
+        # the text of each token alone, per skip_special_tokens (concatenative decoders only)
+        fn.pieces = ({}, {}) if fn.concatenative else None
+        fn.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        fn.backend = backend
+    else:
+        def fn(ids, skip):
+            # Clean-up rewrites text around a window's edges, so windows would not add up.
+            return tokenizer.decode(ids, skip_special_tokens=skip,
+                                    clean_up_tokenization_spaces=False)
+        fn.concatenative = False
+        fn.pieces = None
+    fn.masks = {}  # stop_mask's cache: (last characters, skip) -> Future of a StopMask
+    fn.vocab_index = {}  # skip -> _VocabIndex (every token's text alone, ...): stop_mask
+    try:
+        tokenizer._engine_window_decoder = fn
+    except AttributeError:  # pragma: no cover - a tokenizer that takes no attributes
+        pass
+    return fn
+
+
+# StopMask.maybe codes
+_SAFE = 0  # whole characters, none a stop string's last one: cannot end a stop string
+_MAY_END = 1  # whole characters, one of them a stop string's last one
+_PARTIAL = 2  # anything else (no text, an added token with a partial character): decoded
+_PARTIAL_FREE = 3  # a byte-level token with a partial character (U+FFFD) none of whose bytes
+# is the last byte of a stop string's last character: its text in context (with its neighbours)
+# cannot hold that character either; queued, and decoded with the queued tokens around it
+
+_MAX_DIRTY = 32  # queued tokens with partial characters decoded together at most
+
+_mask_pool: ThreadPoolExecutor | None = None
+_mask_lock = threading.Lock()
+
+
+class StopMask:
+    """For one set of stop strings' last characters (and skip_special_tokens): ``maybe[t]`` is
+    _SAFE when token ``t``'s text is whole characters and cannot end a stop string, _MAY_END
+    when it is whole characters one of which is such a last character, _PARTIAL_FREE or
+    _PARTIAL (see there) when it is not whole characters; ``pieces[t]`` is the token's text
+    alone. Only for a concatenative decoder (byte-level BPE), where a token's text in context is
+    its text alone once the text before it ends at a character boundary."""
+
+    __slots__ = ("maybe", "pieces")
+
+    def __init__(self, maybe: bytes, pieces: list[str]):
+        self.maybe, self.pieces = maybe, pieces
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character table (what a byte-level BPE vocabulary is spelt in)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _token_bytes(decode, pieces: list[str]) -> list[bytes | None]:
+    """Each token's bytes (None: an added token, or one whose bytes do not decode to its
+    piece: treated as unknown)."""
+    backend = getattr(decode, "backend", None)
+    if backend is None:
+        return [None] * len(pieces)
+    inv = {c: b for b, c in _bytes_to_unicode().items()}
+    added = set(backend.get_added_tokens_decoder())
+    out: list[bytes | None] = []
+    for t, piece in enumerate(pieces):
+        s = None if t in added else backend.id_to_token(t)
+        if s is None or any(c not in inv for c in s):
+            out.append(None)
+            continue
+        b = bytes(inv[c] for c in s)
+        out.append(b if b.decode("utf-8", "replace") == piece else None)
+    return out
+
+
+class _VocabIndex:
+    """What every StopMask of a decoder (and skip_special_tokens) starts from: each token's
+    code without stop strings (_SAFE, _PARTIAL_FREE or _PARTIAL), and which tokens hold a given
+    character (whole-character tokens) or byte (partial-character tokens)."""
+
+    def __init__(self, decode, skip: bool):
+        self.pieces = [decode([t], skip) for t in range(decode.vocab_size)]
+        raw = _token_bytes(decode, self.pieces)
+        self.base = bytearray(len(self.pieces))
+        self.by_char: dict[str, list[int]] = {}
+        self.by_byte: dict[int, list[int]] = {}
+        for t, p in enumerate(self.pieces):
+            if not p:
+                self.base[t] = _PARTIAL
+            elif _INCOMPLETE in p:
+                b = raw[t]
+                if b is None:
+                    self.base[t] = _PARTIAL
+                else:
+                    self.base[t] = _PARTIAL_FREE
+                    for x in set(b):
+                        self.by_byte.setdefault(x, []).append(t)
+            else:
+                for c in set(p):
+                    self.by_char.setdefault(c, []).append(t)
+
+
+def _build_mask(decode, lasts: frozenset, skip: bool) -> StopMask:
+    index = decode.vocab_index.get(skip)
+    if index is None:
+        index = decode.vocab_index[skip] = _VocabIndex(decode, skip)
+    codes = index.base[:]
+    for c in lasts:
+        for t in index.by_char.get(c, ()):
+            codes[t] = _MAY_END
+    for b in {c.encode("utf-8")[-1] for c in lasts}:  # the last byte of each
+        for t in index.by_byte.get(b, ()):
+            codes[t] = _PARTIAL
+    return StopMask(bytes(codes), index.pieces)
+
+
+def stop_mask(decode, stops: list[str], skip: bool) -> Future | None:
+    """A Future of the StopMask of ``stops`` for window decoder ``decode``, computed once per
+    set of last characters on a background thread (not the engine thread: a decode of every
+    token of the vocabulary); None when no mask can be used: a decoder that is not
+    concatenative, or a stop string that ends in whitespace or holds U+FFFD (kept
+    conservative)."""
+    global _mask_pool
+    masks = getattr(decode, "masks", None)
+    if masks is None or not getattr(decode, "concatenative", False) or not stops:
+        return None
+    if any(not x or x[-1].isspace() or _INCOMPLETE in x for x in stops):
+        return None
+    key = (frozenset(x[-1] for x in stops), skip)
+    fut = masks.get(key)
+    if fut is None:
+        with _mask_lock:
+            fut = masks.get(key)
+            if fut is None:
+                if _mask_pool is None:
+                    _mask_pool = ThreadPoolExecutor(1, thread_name_prefix="stop-mask")
+                fut = masks[key] = _mask_pool.submit(_build_mask, decode, key[0], skip)
+    return fut
 
 
 class IncrementalDetokenizer:
@@ -16,13 +188,41 @@ class IncrementalDetokenizer:
     strings (the stop string and what follows are not emitted; none is looked for before
     min_new_tokens tokens), honours skip_special_tokens. Works with any HF tokenizer
     (PreTrainedTokenizerFast) via tokenizer.decode. Each step decodes only a window of the last
-    few tokens, so the cost per token does not grow with the output. Pass the tokens whose text
-    should appear: a final EOS or stop_token_ids token is usually left out.
+    few tokens and looks for stop strings only in the text not emitted yet (at most the longest
+    stop string held back, plus the new text), so the cost per token does not grow with the
+    output; nothing re-joins the text emitted so far (``take`` returns only the new text).
+    Pass the tokens whose text should appear: a final EOS or stop_token_ids token is usually
+    left out.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+    # (slots: the engine thread touches one of these per request with stop strings each step)
+    __slots__ = ("_tokenizer", "_decode_fn", "_concatenative", "_before", "_params", "_skip",
+                 "_pieces", "_stops", "_min_new", "_partial_ends", "_prefixes", "_ids",
+                 "_prefix", "_read", "_num_output", "_held", "_chunks", "_fresh", "length",
+                 "_stopped", "matched_stop", "pending", "_dirty", "_mask", "codes",
+                 "_mask_future")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 decode=None):
         self._tokenizer = tokenizer
+        self._decode_fn = decode or window_decoder(tokenizer)
+        # with a concatenative decoder the text of ids[prefix:read] is the last delta decoded:
+        # one decode per token instead of two
+        self._concatenative = getattr(self._decode_fn, "concatenative", False)
+        self._before: str | None = None  # the text of ids[prefix:read], when known
         self._params = params
+        self._skip = params.skip_special_tokens
+        pieces = getattr(self._decode_fn, "pieces", None)
+        self._pieces = pieces[self._skip] if pieces is not None else None
+        self._stops = list(params.stop)
+        self._min_new = params.min_new_tokens
+        # the characters a held-back partial stop string can end with: a text whose last
+        # character is none of them holds nothing back (the common case: no scan)
+        self._partial_ends = frozenset(c for x in self._stops for c in x[:-1])
+        # every proper prefix of a stop string, longest first: what partial_stop_len looks
+        # for, as one str.endswith first (most texts end in none)
+        self._prefixes = tuple(sorted({x[:n] for x in self._stops for n in range(1, len(x))},
+                                      key=len, reverse=True))
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         # ids[prefix:read] were already turned into text; ids[read:] are not yet.
         self._prefix = 0
@@ -30,25 +230,164 @@ class IncrementalDetokenizer:
         self._num_output = 0
         self._held = ""  # decoded, but possibly the start of a stop string
         self._chunks: list[str] = []
+        self._fresh: list[str] = []  # emitted since the last take()
+        self.length = 0  # characters emitted so far
         self._stopped = False
         self.matched_stop: str | None = None  # the stop string that ended the output
+        # ``check`` (the engine thread's stop-string check): tokens that cannot end a stop
+        # string wait in pending, undecoded, until one that might comes (or text is asked for)
+        # check's most common case, for a caller that inlines it (the scheduler's commit, for
+        # every token of every request with stop strings): with tokens queued already (pending
+        # not empty) and ``codes[token] == 0`` (token < len(codes)), ``check(token)`` only
+        # appends the token to ``pending`` and returns False
+        self.pending: list[int] = []
+        self._dirty = False  # pending holds a partial character (_PARTIAL_FREE)
+        self._mask: StopMask | None = None
+        self.codes = b""  # the StopMask's codes, once it is ready
+        self._mask_future = (stop_mask(self._decode_fn, self._stops, self._skip)
+                             if self._pieces is not None else None)
 
     @property
     def text(self) -> str:
-        """The full emitted text so far."""
+        """The full emitted text so far (joins it: for the end of a request, not per step)."""
+        if self.pending:
+            self._flush()
         if len(self._chunks) > 1:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
+
+    def take(self) -> str:
+        """The text emitted since the last ``take`` (a streamed delta)."""
+        if self.pending:
+            self._flush()
+        fresh = self._fresh
+        if not fresh:  # (None: ``check`` was used, and nobody takes deltas)
+            return ""
+        self._fresh = []
+        return fresh[0] if len(fresh) == 1 else "".join(fresh)
 
     @property
     def stopped(self) -> bool:
         """True once a stop string was found; later tokens add no text."""
         return self._stopped
 
+    def check(self, token: int) -> bool:
+        """Engine thread: take one output token; True once a stop string ended the output.
+        The same verdict, at the same token, as ``add([token])`` followed by ``stopped``, but
+        a token whose text cannot end a stop string (the StopMask says so, and the text so far
+        ends at a character boundary) is only queued: no decode, no search. The queued tokens
+        are turned into text (their cached pieces: still no decode) when a token that might end
+        a stop string comes (one search over their text and its own), or when anything asks
+        for text."""
+        mask = self._mask
+        if mask is None:
+            fut = self._mask_future
+            if fut is not None and fut.done():
+                mask = self._mask = fut.result()
+                self._mask_future = None
+                if mask is not None:
+                    self.codes = mask.maybe
+            self._fresh = None  # the engine side takes no deltas (the detokenizer thread does)
+            if mask is None:
+                self.add([token])
+                return self._stopped
+        maybe = mask.maybe
+        code = maybe[token] if token < len(maybe) else _PARTIAL
+        pending = self.pending
+        if pending:  # from a character boundary on, each of them at or after min_new_tokens
+            if code == _SAFE:  # (the scheduler's commit does this one inline: see pending)
+                pending.append(token)
+                return False
+            if code == _PARTIAL_FREE:
+                pending.append(token)
+                self._dirty = True
+                if len(pending) >= _MAX_DIRTY:  # decoded in windows of a few tokens
+                    self._flush()
+                return False
+            if code == _MAY_END:
+                if not self._dirty:
+                    return self._emit_pending(token)
+                pending.append(token)
+                # decoded with the queued run, in one window: it ends with whole characters
+                # (this token's), so the search sees what one token at a time would have seen
+                self._flush()
+                return self._stopped
+        elif code != _PARTIAL and self._before is not None and self._read == len(self._ids) \
+                and not self._stopped:
+            if code == _MAY_END:
+                return self._emit_pending(token)
+            if self._num_output >= self._min_new - 1:  # no text before min_new_tokens queued
+                pending.append(token)
+                self._dirty = code == _PARTIAL_FREE
+                return False
+        self.add([token])  # (the queued tokens first)
+        return self._stopped
+
+    def _emit_pending(self, token: int) -> bool:
+        """The queued tokens and ``token`` (whole characters, at a character boundary), as one
+        delta of their pieces: the search finds what ``add`` one token at a time would have
+        found (none can end in the queued tokens' text: it holds no stop's last character)."""
+        pending, pieces = self.pending, self._mask.pieces
+        piece = pieces[token]
+        if pending:
+            pending.append(token)
+            self.pending = []
+            text = "".join([pieces[t] for t in pending])
+            self._num_output += len(pending)
+        else:
+            text = piece
+            self._num_output += 1
+        self._ids = [token]  # the next window starts here, at a character boundary
+        self._prefix, self._read = 0, 1
+        self._before = piece
+        self._emit(text, final=False)
+        return self._stopped
+
+    def _flush(self) -> str:
+        """Turn the queued tokens into text: what ``add`` one token at a time would have
+        emitted and held back (no stop string can end in their text, but in the last one's
+        when ``check`` queued one that might, to decode it with a run of partial characters).
+        Whole characters are their cached pieces; a run with partial characters is decoded."""
+        pending, pieces = self.pending, self._mask.pieces
+        self.pending = []
+        if self._dirty:
+            # the text so far ends with a whole character: the queued tokens' text is theirs
+            # alone, decoded as a window of its own
+            self._dirty = False
+            self._ids, self._prefix, self._read, self._before = pending, 0, 0, ""
+            self._num_output += len(pending)
+            return self._emit(self._decode_new(final=False), final=False)
+        text = "".join([pieces[t] for t in pending])
+        last = pending[-1]
+        self._ids = [last]  # the window starts at the last one, at a character boundary
+        self._prefix, self._read = 0, 1
+        self._before = pieces[last]
+        self._num_output += len(pending)
+        return self._emit(text, final=False)
+
     def add(self, token_ids: list[int]) -> str:
         """Append new output tokens; return the text that is now safe to emit (may be "")."""
         if self._stopped:
             return ""
+        if self.pending:
+            flushed = self._flush()
+            return flushed + self.add(token_ids) if token_ids else flushed
+        pieces = self._pieces
+        if pieces is not None and len(token_ids) == 1 and self._before is not None \
+                and self._read == len(self._ids):
+            # one token after a window that ended at a character boundary (the usual step):
+            # with a concatenative decoder its text is the token's own text (cached per
+            # tokenizer), when that is whole characters; what _decode_new would do, undecoded
+            t = token_ids[0]
+            piece = pieces.get(t)
+            if piece is None:
+                piece = pieces[t] = self._decode_fn([t], self._skip)
+            if piece and _INCOMPLETE not in piece:
+                self._ids = [t]
+                self._prefix, self._read = 0, 1
+                self._before = piece
+                self._num_output += 1
+                return self._emit(piece, final=False)
         self._ids.extend(token_ids)
         self._num_output += len(token_ids)
         return self._emit(self._decode_new(final=False), final=False)
@@ -57,41 +396,56 @@ class IncrementalDetokenizer:
         """Flush the held-back text at the end of the request (a stop string stays out)."""
         if self._stopped:
             return ""
-        return self._emit(self._decode_new(final=True), final=True)
+        flushed = self._flush() if self.pending else ""
+        return flushed + self._emit(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._params.skip_special_tokens,
-            # Clean-up rewrites text around a window's edges, so windows would not add up.
-            clean_up_tokenization_spaces=False,
-        )
+        return self._decode_fn(ids, self._skip)
 
     def _decode_new(self, final: bool) -> str:
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
+        ids, prefix, read = self._ids, self._prefix, self._read
+        before = self._before
+        if before is None:
+            before = self._before = self._decode(ids[prefix:read]) if read > prefix else ""
+        after = self._decode(ids[prefix:] if prefix else ids)
         if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
             return ""
         # The window starts where the last one ended, at a character boundary.
-        self._prefix, self._read = self._read, len(self._ids)
-        del self._ids[: self._prefix]
-        self._read -= self._prefix
-        self._prefix = 0
-        return after[len(before) :]
+        if read:
+            del ids[:read]
+        self._prefix, self._read = 0, len(ids)
+        delta = after[len(before):]
+        # the next window's text so far: decoded from its tokens alone next time, unless the
+        # decoder is concatenative (then it is this delta: the window starts at a character
+        # boundary); after a final flush nothing is decoded any more
+        # (not when the text before ended in a partial character: the window's first tokens
+        # finish it, and their text alone differs)
+        self._before = (delta if self._concatenative and not final
+                        and not before.endswith(_INCOMPLETE) else None)
+        return delta
 
     def _emit(self, delta: str, final: bool) -> str:
-        stops = self._params.stop
-        text = self._held + delta
+        stops = self._stops
+        text = self._held + delta if self._held else delta
         self._held = ""
-        if stops and self._num_output >= self._params.min_new_tokens:
-            at = find_stop(text, stops)
-            if at is not None:
+        if stops and text and self._num_output >= self._min_new:
+            at, matched = -1, None
+            for x in stops:  # the earliest; on a tie the first listed
+                i = text.find(x)
+                if i >= 0 and (at < 0 or i < at):
+                    at, matched = i, x
+            if matched is not None:
                 self._stopped = True
-                self.matched_stop = next(x for x in stops if text.find(x) == at)
+                self.matched_stop = matched
                 text = text[:at]
-            elif not final:
-                keep = partial_stop_len(text, stops)
-                text, self._held = text[: len(text) - keep], text[len(text) - keep :]
+            elif not final and text[-1] in self._partial_ends and \
+                    text.endswith(self._prefixes):
+                keep = next(len(x) for x in self._prefixes if text.endswith(x))
+                if keep:  # (partial_stop_len(text, stops))
+                    text, self._held = text[: len(text) - keep], text[len(text) - keep:]
         if text:
             self._chunks.append(text)
+            if self._fresh is not None:
+                self._fresh.append(text)
+            self.length += len(text)
         return text

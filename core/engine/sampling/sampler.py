@@ -6,22 +6,12 @@ import torch
 
 from engine.grammar.bitmask import apply_token_bitmask
 from engine.sampling.params import SamplingParams
-from engine.sampling.penalties import (
-    SeenTokens,
-    apply_frequency_presence_penalty,
-    apply_repetition_penalty,
-    output_counts,
-    repetition_index,
-)
+from engine.sampling.penalties import PenaltyTable, SeenTokens, long_tensor
+from engine.sampling.seeds import counter_uniform, sample_inverse_cdf, seed_key
 
-
-def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
-    """A request's own RNG, made once on arrival and kept for all its steps; None without a seed."""
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed % 2**64)
-    return gen
+# columns of SamplingBatch.floats [B, 6] float32 and SamplingBatch.ints [B, 4] int64
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)
+TOP_K, SEED_KEY, POSITION, MIN_NEW_TOKENS = range(4)
 
 
 @dataclass(slots=True)
@@ -35,39 +25,75 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
-@dataclass(slots=True)
-class SamplingBatch:
-    """Per-step sampling inputs for B rows, built once per step by the scheduler.
+@dataclass(frozen=True, slots=True)
+class RowInfo:
+    """The host's facts about one row, fixed for its request's life (what decides which of the
+    sampler's stages a batch needs, and the index lists of the rows that need them)."""
 
-    Tensors are per row ([B]) unless noted; penalties use flat positions row * V + token. A
-    feature no row uses is None, so the sampler skips it.
+    greedy: bool
+    top_k: bool  # top-k is on
+    top_p: bool
+    min_p: bool
+    seeded: bool  # sampled (not greedy) with a seed
+    penalized: bool  # any of the three penalties
+    min_new_tokens: int
+    ban: tuple[int, ...]  # EOS and stop ids (in the vocab) banned until min_new_tokens
+    top_logprobs: int  # -1: no logprobs, else how many top entries
+
+    @property
+    def filters(self) -> bool:
+        return self.top_k or self.top_p or self.min_p
+
+
+@dataclass(slots=True, eq=False)
+class SamplingBatch:
+    """The sampling inputs of B rows, as tensors on the logits' device.
+
+    Per-row parameters sit in two packed tensors (``floats`` and ``ints``, columns named by the
+    constants above) so that keeping, dropping or adding rows is one index or concat each;
+    ``SamplingState`` keeps one across steps and only filters and merges it as requests come
+    and go. A feature no row uses is None, so the sampler skips it. ``advance`` moves it to the
+    next step with the tokens just sampled (positions, penalty counts, min_new_tokens bans).
     """
 
     vocab_size: int
-    temperature: torch.Tensor  # float32; 1.0 on greedy rows so that dividing is harmless
-    greedy: torch.Tensor  # bool
-    all_greedy: bool
-    any_greedy: bool
-    filter_rows: torch.Tensor | None  # rows that use top-k, top-p or min-p
-    top_k: torch.Tensor | None  # int64 in [1, V]; V where off
-    top_p: torch.Tensor | None
-    min_p: torch.Tensor | None
-    repetition_penalty: torch.Tensor | None
-    repetition_index: torch.Tensor | None  # positions seen in prompt or output
-    frequency_penalty: torch.Tensor | None
-    presence_penalty: torch.Tensor | None
-    output_index: torch.Tensor | None  # positions seen in the output
-    output_counts: torch.Tensor | None  # float32, one count per output_index entry
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
-    seeded: list[tuple[int, torch.Generator]]  # sampled rows that draw from their own generator
-    top_logprobs: list[int] | None  # per row: -1 = no logprobs, else how many top entries
+    floats: torch.Tensor  # [B, 6] float32: temperature (1.0 if greedy), top_p, min_p, penalties
+    ints: torch.Tensor  # [B, 4] int64: top_k (V = off), seed key, output position, min_new_tokens
+    greedy: torch.Tensor  # [B] bool
+    infos: list[RowInfo]
+    lengths: list[int]  # per row, its output tokens before this step's one
+    penalties: PenaltyTable | None  # the rows using a penalty, with the tokens they have seen
+    # derived from infos (_derive)
+    all_greedy: bool = True
+    any_greedy: bool = False
+    filter_rows: torch.Tensor | None = None  # rows that use top-k, top-p or min-p
+    top_k: torch.Tensor | None = None  # int64 in [1, V]; V where off
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seed_rows: torch.Tensor | None = None  # sampled rows that draw from their seed's hash
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) while min_new_tokens
+    ban_steps: int = 0  # steps until no row's ban matters any more
+    top_logprobs: list[int] | None = None  # per row: -1 = no logprobs, else how many top entries
     # structured output: (rows [R] int64, bitmask [R, ceil(V/32)] int32 on the host) of the
-    # constrained rows; set by the scheduler after build() (engine.grammar.bitmask's layout)
+    # constrained rows; set by the scheduler every step (engine.grammar.bitmask's layout)
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
-        return self.temperature.shape[0]
+        return self.floats.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.floats.device
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.floats[:, TEMPERATURE]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B] int64: each row's output length, the counter its seed's hash draws with."""
+        return self.ints[:, POSITION]
 
     @classmethod
     def build(
@@ -75,78 +101,199 @@ class SamplingBatch:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
-        generators: list[torch.Generator | None],
-        eos_token_ids: set[int] | list[int],
-        vocab_size: int,
+        generators=None,
+        eos_token_ids: set[int] | list[int] = (),
+        vocab_size: int | None = None,
         device="cpu",
         seen: list[SeenTokens | None] | None = None,
+        derive: bool = True,
     ) -> SamplingBatch:
-        """Gather the rows' parameters into tensors; generators[i] is make_generator(seed).
+        """Gather the rows' parameters into tensors on ``device``.
 
-        ``seen[i]``: row i's running token counts (kept by the caller across steps), needed
-        where params[i].uses_penalties; without ``seen`` they are counted here from the ids.
+        ``generators`` is ignored (a seed needs no generator: seeds.py); ``seen[i]``, if given,
+        lends row i's distinct prompt ids to the repetition penalty.
         """
         n = len(params)
-        assert len(prompt_ids) == n and len(output_ids) == n and len(generators) == n
-        if seen is None:
-            seen = [SeenTokens(vocab_size, pr, out) if p.uses_penalties else None
-                    for p, pr, out in zip(params, prompt_ids, output_ids)]
-        for p, gen in zip(params, generators):
-            assert p.seed is None or gen is not None, "a seeded request needs its own generator"
+        assert len(prompt_ids) == n and len(output_ids) == n
+        assert vocab_size is not None
         V = vocab_size
-
-        def tensor(values, used=True, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device) if used else None
-
-        # Below this temperature logits / T overflows float32, and the pick is the argmax anyway.
-        greedy = [p.is_greedy or p.temperature < 1e-5 for p in params]
-        top_k = [p.top_k if 1 <= p.top_k < V and not g else V for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        filtered = [i for i in range(n) if top_k[i] < V or top_p[i] < 1.0 or min_p[i] > 0.0]
-
-        rep = [p.repetition_penalty for p in params]
-        rep_index = None
-        if any(r != 1.0 for r in rep):
-            rep_index = repetition_index([s if r != 1.0 else None for s, r in zip(seen, rep)],
-                                         V, device)
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        out_index = counts = None
-        if any(f != 0.0 or q != 0.0 for f, q in zip(freq, pres)):
-            out_index, counts = output_counts(
-                [s if f != 0.0 or q != 0.0 else None for s, f, q in zip(seen, freq, pres)],
-                V, device)
-
-        banned_rows, banned_ids = [], []
-        for i, (p, out) in enumerate(zip(params, output_ids)):
-            if len(out) < p.min_new_tokens:
-                ban = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if t < V})
-                banned_rows += [i] * len(ban)
-                banned_ids += ban
-        banned = (tensor(banned_rows, dtype=torch.long), tensor(banned_ids, dtype=torch.long))
-
-        asked = any(p.logprobs for p in params)
-        return cls(
+        eos = sorted(set(eos_token_ids))
+        infos, floats, ints = [], [], []
+        for p, out in zip(params, output_ids):
+            # Below this temperature logits / T overflows float32, and the pick is the argmax.
+            greedy = p.is_greedy or p.temperature < 1e-5
+            top_k = p.top_k if 1 <= p.top_k < V and not greedy else V
+            top_p = 1.0 if greedy else p.top_p
+            min_p = 0.0 if greedy else p.min_p
+            seeded = p.seed is not None and not greedy
+            ban = (tuple(sorted({t for t in (*eos, *p.stop_token_ids) if t < V}))
+                   if p.min_new_tokens > 0 else ())
+            infos.append(RowInfo(greedy, top_k < V, top_p < 1.0, min_p > 0.0, seeded,
+                                 p.uses_penalties, p.min_new_tokens, ban,
+                                 p.top_logprobs if p.logprobs else -1))
+            floats.append((1.0 if greedy else p.temperature, top_p, min_p, p.repetition_penalty,
+                           p.frequency_penalty, p.presence_penalty))
+            ints.append((top_k, seed_key(p.seed) if seeded else 0, len(out), p.min_new_tokens))
+        penalized = [k for k, info in enumerate(infos) if info.penalized]
+        penalties = None
+        if penalized:
+            prompts = [seen[k] if seen is not None and seen[k] is not None else prompt_ids[k]
+                       for k in penalized]
+            penalties = PenaltyTable.build(V, penalized, prompts,
+                                           [output_ids[k] for k in penalized],
+                                           [floats[k][REPETITION] for k in penalized],
+                                           [floats[k][FREQUENCY] for k in penalized],
+                                           [floats[k][PRESENCE] for k in penalized], device)
+        batch = cls(
             vocab_size=V,
-            temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            greedy=tensor(greedy, dtype=torch.bool),
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            filter_rows=tensor(filtered, bool(filtered), dtype=torch.long),
-            top_k=tensor(top_k, any(k < V for k in top_k), dtype=torch.long),
-            top_p=tensor(top_p, any(p < 1.0 for p in top_p)),
-            min_p=tensor(min_p, any(m > 0.0 for m in min_p)),
-            repetition_penalty=tensor(rep, rep_index is not None),
-            repetition_index=rep_index,
-            frequency_penalty=tensor(freq, counts is not None),
-            presence_penalty=tensor(pres, counts is not None),
-            output_index=out_index,
-            output_counts=counts,
-            banned=banned if banned_rows else None,
-            seeded=[(i, g) for i, g in enumerate(generators) if g is not None and not greedy[i]],
-            top_logprobs=[p.top_logprobs if p.logprobs else -1 for p in params] if asked else None,
+            floats=torch.tensor(floats, dtype=torch.float32).view(n, 6).to(device),
+            ints=torch.tensor(ints, dtype=torch.long).view(n, 4).to(device),
+            greedy=torch.tensor([info.greedy for info in infos], dtype=torch.bool).to(device),
+            infos=infos,
+            lengths=[len(out) for out in output_ids],
+            penalties=penalties,
         )
+        if derive:
+            batch._derive()
+        return batch
+
+    def take(self, order: list[int], derive: bool = True) -> SamplingBatch:
+        """The rows ``order`` (indices of this batch, in that order: a filter, a permutation)."""
+        index = long_tensor(order, self.device)
+        infos = [self.infos[i] for i in order]
+        penalties = None
+        if self.penalties is not None:
+            table_row, k = {}, 0  # table rows follow the batch rows' order
+            for i, info in enumerate(self.infos):
+                if info.penalized:
+                    table_row[i] = k
+                    k += 1
+            kept = [table_row[i] for i in order if i in table_row]
+            if kept:
+                penalties = self.penalties.take(
+                    kept, [j for j, info in enumerate(infos) if info.penalized])
+        batch = SamplingBatch(self.vocab_size, self.floats.index_select(0, index),
+                              self.ints.index_select(0, index), self.greedy.index_select(0, index),
+                              infos, [self.lengths[i] for i in order], penalties)
+        if derive:
+            batch._derive()
+        return batch
+
+    @staticmethod
+    def concat(a: SamplingBatch, b: SamplingBatch, derive: bool = True) -> SamplingBatch:
+        """``a``'s rows, then ``b``'s."""
+        batch = SamplingBatch(a.vocab_size, torch.cat([a.floats, b.floats]),
+                              torch.cat([a.ints, b.ints]), torch.cat([a.greedy, b.greedy]),
+                              a.infos + b.infos, a.lengths + b.lengths,
+                              PenaltyTable.concat(a.penalties, b.penalties, a.size))
+        if derive:
+            batch._derive()
+        return batch
+
+    def _derive(self) -> None:
+        """The flags and row lists the sampler branches on, from the rows' infos."""
+        infos, device = self.infos, self.device
+
+        def rows(flags) -> torch.Tensor | None:
+            picked = [k for k, flag in enumerate(flags) if flag]
+            return long_tensor(picked, device) if picked else None
+
+        greedy = [info.greedy for info in infos]
+        self.all_greedy, self.any_greedy = all(greedy), any(greedy)
+        self.filter_rows = rows(info.filters for info in infos)
+        self.top_k = self.ints[:, TOP_K] if any(info.top_k for info in infos) else None
+        self.top_p = self.floats[:, TOP_P] if any(info.top_p for info in infos) else None
+        self.min_p = self.floats[:, MIN_P] if any(info.min_p for info in infos) else None
+        self.seed_rows = rows(info.seeded for info in infos)
+        ban_rows, ban_ids, steps = [], [], 0
+        for k, (info, length) in enumerate(zip(infos, self.lengths)):
+            if length < info.min_new_tokens and info.ban:
+                ban_rows += [k] * len(info.ban)
+                ban_ids += info.ban
+                steps = max(steps, info.min_new_tokens - length)
+        self.banned = None
+        if ban_rows:
+            self.banned = (long_tensor(ban_rows, device), long_tensor(ban_ids, device))
+        self.ban_steps = steps
+        asked = any(info.top_logprobs >= 0 for info in infos)
+        self.top_logprobs = [info.top_logprobs for info in infos] if asked else None
+
+    def advance(self, sampled: torch.Tensor) -> None:
+        """The step's tokens were sampled (``sampled`` [B], on the device) and each row's
+        request appends its own: move every row's state to its next output position."""
+        with torch.inference_mode():  # (in place, whichever mode made the tensors)
+            if self.penalties is not None:
+                self.penalties.add(sampled)
+            self.ints[:, POSITION] += 1
+        self.lengths = [length + 1 for length in self.lengths]
+        if self.banned is not None:
+            self.ban_steps -= 1
+            if self.ban_steps <= 0:
+                self.banned = None
+
+    def seed_uniform(self) -> torch.Tensor:
+        """[S] float32: the seeded rows' draws for this step (a hash of seed and position)."""
+        ints = self.ints.index_select(0, self.seed_rows)
+        return counter_uniform(ints[:, SEED_KEY], ints[:, POSITION])
+
+
+class SamplingState:
+    """The sampling inputs of the rows a scheduler sampled last step, kept across steps (as
+    SGLang's SamplingBatchInfo is): when the step samples the same requests as the last one,
+    nothing is rebuilt; when some leave or join, the kept rows are taken by index and the new
+    rows' tensors concatenated. A row is kept while its request is sampled every step (its
+    output one token longer each time, as ``advance`` assumes); otherwise it is rebuilt.
+
+    Use from one thread at a time: ``batch(reqs, device)``, sample, ``advance(tokens)``.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.current: SamplingBatch | None = None
+        self.reqs: list = []
+        self.rows_built = 0  # rows built from requests' params so far (for tests, benchmarks)
+
+    def batch(self, reqs: list, device) -> SamplingBatch:
+        """The SamplingBatch of ``reqs`` (objects with params, prompt_ids, output_ids) in that
+        order, its tensors on ``device``; ``allowed`` is reset to None."""
+        lengths = [len(r.output_ids) for r in reqs]
+        cur, device = self.current, torch.device(device)
+        if cur is not None and cur.device != device:
+            cur = None
+        if cur is not None and reqs == self.reqs and lengths == cur.lengths:
+            cur.allowed = None
+            return cur  # the same requests, one token further: nothing to rebuild
+        index = {r: i for i, r in enumerate(self.reqs)} if cur is not None else {}
+        kept, new, slots = [], [], []  # slots: per req, its row in kept (>= 0) or ~its new rank
+        for r, length in zip(reqs, lengths):
+            i = index.get(r)
+            if i is not None and cur.lengths[i] == length:
+                slots.append(len(kept))
+                kept.append(i)
+            else:
+                slots.append(~len(new))
+                new.append(r)
+        merged = None
+        if kept:
+            merged = cur if kept == list(range(cur.size)) else cur.take(kept, derive=False)
+        if new or merged is None:
+            built = SamplingBatch.build([r.params for r in new], [r.prompt_ids for r in new],
+                                        [r.output_ids for r in new], None, self.eos_token_ids,
+                                        self.vocab_size, device=device, derive=False)
+            merged = built if merged is None else SamplingBatch.concat(merged, built, False)
+        order = [s if s >= 0 else len(kept) + ~s for s in slots]
+        if order != list(range(len(order))):
+            merged = merged.take(order, derive=False)
+        merged._derive()
+        merged.allowed = None
+        self.current, self.reqs = merged, list(reqs)
+        self.rows_built += len(new)
+        return merged
+
+    def advance(self, sampled: torch.Tensor) -> None:
+        """``sampled`` [B]: the tokens just sampled from the batch ``batch`` returned."""
+        self.current.advance(sampled)
 
 
 def top_k_top_p_min_p(
@@ -183,7 +330,8 @@ class Sampler:
 
     Order: penalties on the raw logits, the min_new_tokens ban, the grammar mask (so a
     constrained greedy row takes its best allowed token), then argmax for greedy rows, and
-    temperature, top-k, top-p, min-p and an exponential race for the others.
+    temperature, top-k, top-p, min-p and a draw for the others: an exponential race with the
+    global RNG, or for a seeded row the inverse CDF at its seed's hash (seeds.py).
     """
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
@@ -200,7 +348,7 @@ class Sampler:
                 tokens = penalized.argmax(dim=-1)
             else:
                 probs = self.warp(penalized, batch).softmax(dim=-1)
-                tokens = (probs / self._noise(probs, batch)).argmax(dim=-1)
+                tokens = self._draw(probs, batch)
                 if batch.any_greedy:
                     tokens = torch.where(batch.greedy, penalized.argmax(dim=-1), tokens)
             return self._with_logprobs(raw, tokens, batch)
@@ -209,23 +357,16 @@ class Sampler:
                  inplace: bool = False) -> torch.Tensor:
         """Repetition, frequency and presence penalties, the min_new_tokens ban, then the
         grammar mask (in a copy unless ``inplace``)."""
-        if (batch.repetition_index is None and batch.output_index is None and batch.banned is None
-                and batch.allowed is None):
+        if batch.penalties is None and batch.banned is None and batch.allowed is None:
             return logits
         if not inplace or not logits.is_contiguous():
             logits = logits.clone(memory_format=torch.contiguous_format)
-        if batch.repetition_index is not None:
-            apply_repetition_penalty(logits, batch.repetition_index, batch.repetition_penalty)
-        if batch.output_index is not None:
-            apply_frequency_presence_penalty(
-                logits,
-                batch.output_index,
-                batch.output_counts,
-                batch.frequency_penalty,
-                batch.presence_penalty,
-            )
+        if batch.penalties is not None:
+            batch.penalties.apply(logits)
         if batch.banned is not None:
-            logits[batch.banned] = float("-inf")
+            rows, ids = batch.banned
+            active = batch.ints[rows, POSITION] < batch.ints[rows, MIN_NEW_TOKENS]
+            logits[rows, ids] = torch.where(active, float("-inf"), logits[rows, ids])
         if batch.allowed is not None:
             rows, bitmask = batch.allowed
             apply_token_bitmask(logits, bitmask, None if rows.numel() == batch.size else rows)
@@ -247,17 +388,26 @@ class Sampler:
         logits[rows] = top_k_top_p_min_p(logits[rows], *per_row)
         return logits
 
-    def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        # argmax(p / E) with E ~ Exp(1) picks token i with probability p_i. A seeded row's noise
-        # comes only from its own generator, so its pick ignores the other rows and their order.
-        uniform = torch.empty_like(probs)
-        if len(batch.seeded) < batch.size:
-            uniform.uniform_()
-        for row, gen in batch.seeded:
-            uniform[row] = torch.empty_like(probs[row]).uniform_(generator=gen)
+    def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row from ``probs``: unseeded rows race exponential noise from the
+        global RNG; seeded rows invert their CDF at their seed's hash of their position (one
+        call for all of them), so a seeded pick ignores the other rows and their order."""
+        rows = batch.seed_rows
+        everyone = rows is not None and rows.numel() == batch.size
+        tokens = None if everyone else (probs / self._noise(probs)).argmax(dim=-1)
+        if rows is not None:
+            uniform = batch.seed_uniform()
+            if everyone:
+                tokens = sample_inverse_cdf(probs, uniform)
+            else:
+                tokens[rows] = sample_inverse_cdf(probs[rows], uniform)
+        return tokens
+
+    def _noise(self, probs: torch.Tensor) -> torch.Tensor:
+        # argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
         # -log(U) is Exp(1) and, with U in [0, 1), never 0 (so p / E is never 0 / 0 = NaN);
         # on CPU it is several times faster than exponential_.
-        return uniform.log_().neg_()
+        return torch.empty_like(probs).uniform_().log_().neg_()
 
     def _with_logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch

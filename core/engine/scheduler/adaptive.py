@@ -1,148 +1,349 @@
-"""``--schedule-conservativeness auto``: reservations from the output lengths observed.
+"""``--schedule-conservativeness auto``: admission against the predicted peak of KV usage.
 
-SGLang's fixed schedule (admission.NewTokenRatio) reserves 0.7 x conservativeness of every running
-request's remaining max_new_tokens and decays that slowly; when requests stop early (EOS, stop
-strings) long before max_new_tokens, it holds back KV slots nobody will use and the guide's advice
-is to lower the flag by hand. ``auto`` estimates instead how many more tokens each running request
-will generate from the lengths of recently finished ones: a request that has generated k tokens
-is expected to go on like the finished requests that got past k (short outputs say little about a
-request that has outlived them). That estimate is scaled by a margin which a feedback loop steers
-towards the guide's healthy range: token usage > 0.9 with at most about one retraction a minute.
+SGLang's fixed schedule (admission.NewTokenRatio) reserves a share of every running request's
+remaining max_new_tokens, a share that decays with steps and jumps back up after a retraction.
+``auto`` predicts instead how the pool's usage will evolve and admits a waiting request only if
+the predicted *peak* of that usage, with it added, fits the pool:
+
+- How long outputs run: a Kaplan-Meier survival curve S(x) = P(output share > x) of the output
+  share x = generated / max_new_tokens, from the finished requests (events) and the running ones
+  (right-censored at their current share: they are known to go on at least that far). Using the
+  running requests is what keeps the curve from survivorship bias: the first requests to finish
+  are the short ones, and a curve from finished requests alone says "everything is short" while
+  the long ones are still running. Observations are weighted by recency (by arrival, a half-life
+  of HALF_LIFE requests) so that a workload whose lengths drift or change shows in the estimate
+  for new requests as soon as the recent ones outlive the old ones; PRIOR_WEIGHT pseudo-requests
+  that run to max_new_tokens keep the curve flat beyond the largest observation (conservative:
+  what has not been seen to stop is assumed to go on) and few observations from moving it much.
+- What the pool will hold: a running request at share p is still alive t steps later with
+  probability q(t) = S(p + t/max_new) / S(p) (0 once it reaches max_new_tokens), holding t more
+  slots; a finished one gives back what it held. Over a grid of horizons up to the longest
+  remaining output, E[Δused(t)] and Var[Δused(t)] are sums over the running requests (and the
+  ones admitted this step); a candidate is admitted when max_t E + z·σ still fits.
+- z, the safety term on that variance, prices a retraction: admitting now rather than at the
+  next chance (when the next request is expected to finish) gains about that many steps of one
+  more row, while a retraction makes the engine recompute its victim's prompt and generated
+  tokens (the victim is the running request with the fewest generated tokens) and wait before it
+  runs again. The overflow probability worth accepting is gain / (gain + cost), z its quantile.
+- Model risk: the variance above treats requests as independent, but when the workload changes
+  (short answers, then long ones) the curve misleads about all of them at once. So a share
+  ``risk`` of the gap between the curve's expectation and every request running to its
+  max_new_tokens is reserved too: MODEL_RISK always; plus 1 - hazard, where hazard (<= 1)
+  scales the curve's hazards (S**hazard) by the finishes seen over those the curve predicted,
+  step by step (requests outliving the curve lower it at once, long before they finish); plus
+  what retractions added: each raises it by RETRACT_RISK x the victims' tokens to recompute
+  over the mean running request's length, and that comes back down as requests finish
+  (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
+  machine; no wall-clock hold).
 """
 
 from __future__ import annotations
 
-import bisect
-import time
 from collections import deque
-from itertools import accumulate
+from statistics import NormalDist
 
-from engine.scheduler.admission import NewTokenRatio, reservable_tokens
+import numpy as np
+
+from engine.scheduler.admission import CLIP_MAX_NEW_TOKENS, NewTokenRatio, reservable_tokens
 
 AUTO = "auto"
-PRIOR = 0.7  # with nothing observed, reserve what conservativeness 1.0 starts with ...
-PRIOR_WEIGHT = 4  # ... counted as this many finished requests
-WINDOW = 256  # finished requests the estimate remembers
-TARGET_USAGE = 0.95  # the loop aims here so that usage stays above the guide's 0.9
-QUIET_S = 60.0  # after a retraction the margin holds this long: about one retraction a minute
-MARGIN_DECAY = 0.02  # per step spent under TARGET_USAGE with requests waiting, at least ...
-GAP_DECAY = 0.5  # ... and this times the relative shortfall (a far emptier pool falls faster)
-MAX_DECAY = 0.25
-MIN_EVIDENCE = PRIOR_WEIGHT  # the margin falls only once this many requests have finished
-RETRACT_BUMP = 1.5  # a retraction raises the margin by this factor
-MIN_MARGIN, MAX_MARGIN = 0.02, 8.0
+WINDOW = 256  # finished requests the curve remembers (with the running ones)
+HALF_LIFE = 48.0  # an observation's weight halves every this many later arrivals
+PRIOR_WEIGHT = 0.5  # pseudo-requests running to max_new_tokens (weight of a fresh request: 1)
+GRID = 32  # horizons at which the usage is predicted (0 .. the longest remaining output)
+Z_MIN, Z_MAX = 0.5, 4.0  # the priced z is kept in this range
+MODEL_RISK = 0.2  # share of the gap to running to max_new_tokens always reserved
+RETRACT_RISK = 0.3  # a retraction adds this x its recompute / the mean running length ...
+RETRACTION_RISK_MAX = 1.0
+RISK_DECAY = 1 / 16  # ... which falls by this share per request that finishes
+CALIBRATION_DECAY = 0.9  # per step with a plan: finishes seen vs predicted, over ~10 steps ...
+CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of each
+HAZARD_MIN = 0.05
 
 
-def make_ratio(conservativeness, clock=time.monotonic):
+def make_ratio(conservativeness):
     """The ratio object for ``--schedule-conservativeness``: a number keeps SGLang's schedule."""
     if conservativeness == AUTO:
-        return AdaptiveRatio(clock)
+        return AdaptiveRatio()
     return NewTokenRatio(conservativeness)
 
 
-class OutputShares:
-    """Finished requests' output length / max_new_tokens: the last WINDOW, kept sorted, with
-    suffix sums so that "the mean share of those past p" costs a binary search."""
+def _share(req) -> float:
+    return min(len(req.output_ids) / req.params.max_new_tokens, 1.0)
 
-    def __init__(self):
-        self.recent: deque[float] = deque()
-        self.sorted: list[float] = []
-        self._suffix: list[float] | None = None
 
-    def __len__(self) -> int:
-        return len(self.recent)
+class SurvivalCurve:
+    """A weighted Kaplan-Meier estimate S(x) = P(share > x) (a step function)."""
 
-    def add(self, share: float) -> None:
-        if len(self.recent) == WINDOW:
-            old = self.recent.popleft()
-            del self.sorted[bisect.bisect_left(self.sorted, old)]
-        self.recent.append(share)
-        bisect.insort(self.sorted, share)
-        self._suffix = None
+    def __init__(self, shares, events, weights, hazard: float = 1.0):
+        shares = np.asarray(shares, dtype=np.float64)
+        events = np.asarray(events, dtype=bool)
+        weights = np.asarray(weights, dtype=np.float64)
+        order = np.lexsort((events.astype(np.int8) * -1, shares))  # at ties, events first
+        self.x = shares[order]
+        w, ev = weights[order], events[order]
+        at_risk = np.cumsum(w[::-1])[::-1]  # weight of the observations from here on
+        factor = np.where(ev, 1.0 - w / np.maximum(at_risk, 1e-12), 1.0)
+        self.hazard = hazard
+        self.s = np.cumprod(factor) ** hazard  # S just after each observation
 
-    def beyond(self, p: float) -> tuple[int, float]:
-        """How many shares exceed ``p``, and their sum."""
-        if self._suffix is None:  # _suffix[i] = sum(sorted[i:])
-            self._suffix = list(accumulate(reversed(self.sorted), initial=0.0))[::-1]
-        i = bisect.bisect_right(self.sorted, p)
-        return len(self.sorted) - i, self._suffix[i]
+    def __call__(self, x):
+        """S at ``x`` (an array): the product over the events at shares <= x."""
+        i = np.searchsorted(self.x, x, side="right")
+        return np.where(i > 0, self.s[np.maximum(i - 1, 0)], 1.0)
+
+    def expected_share(self, p: float = 0.0) -> float:
+        """The share of max_new_tokens a request alive at share ``p`` is expected to add:
+        the integral of S(x) / S(p) over [p, 1]."""
+        grid = np.linspace(p, 1.0, 257)
+        s = self(grid)
+        sp = s[0] if s[0] > 0 else 1.0
+        area = float(((s[1:] + s[:-1]) / 2 * np.diff(grid)).sum())  # the trapezoid rule
+        return area / sp
+
+
+class PeakPlan:
+    """One step's admission against the predicted peak of the pool's usage.
+
+    ``held``: what the running requests are counted for (the peak over the horizons of E + z·σ
+    + risk x the gap to running to max_new_tokens, plus the prompt tokens that have no slot
+    yet); ``reservation(req, extend)``: how much a candidate would raise that peak beyond its
+    ``extend`` prompt tokens (the scheduler admits it when ``extend + reservation`` fits the
+    room left, i.e. when the new peak fits the pool); ``admitted``: it was.
+    """
+
+    def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float):
+        self.curve, self.z, self.risk = curve, z, risk
+        self.rows = rows
+        self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
+        self._build()
+        self.committed = self.peak  # the peak the scheduler's reserve stands for
+        self.held = self.peak + pending
+
+    def _build(self) -> None:
+        self.t = np.linspace(0.0, self.horizon, GRID)
+        self.t_next = np.append(self.t[1:], self.horizon)
+        self.mean, self.var = self.moments(self.rows)
+        self.peak = self._peak(self.mean, self.var)
+
+    def moments(self, rows: Rows):
+        """E and Var of the usage change at each horizon, summed over ``rows``. Alive at t
+        (probability q) a request holds ``start`` + t more slots than now; finished, it gave
+        back ``own`` (a running request: start 0; a candidate: start = its prompt, own 0).
+        The mean includes the model risk: ``risk`` x (1 - q) x the slots it would hold if it
+        ran on, summed over requests (the curve misleads about all of them at once)."""
+        if len(rows.p) == 0:
+            return np.zeros(GRID), np.zeros(GRID)
+        t = self.t[None, :]
+        s_now = self.curve(rows.p)
+        s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
+        live = t < rows.rem[:, None]  # max_new_tokens ends it
+        q = np.where(live, np.minimum(self.curve(rows.p[:, None] + t / rows.m[:, None])
+                                      / s_now, 1.0), 0.0)
+        # an upper bound over [t_j, t_j+1]: alive as at t_j, grown as at t_j+1 (or its end),
+        # so that a peak between two grid points is not missed
+        grown = np.minimum(self.t_next[None, :], rows.rem[:, None])
+        spread = rows.start[:, None] + grown + rows.own[:, None]  # alive minus finished
+        mean = q * spread - rows.own[:, None]
+        var = q * (1 - q) * spread ** 2
+        gap = np.where(live, (1 - q) * spread, 0.0)
+        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0)
+
+    def _peak(self, mean, var) -> float:
+        return float(max((mean + self.z * np.sqrt(var)).max(), 0.0))
+
+    def reservation(self, req, extend: int) -> float:
+        if not req.params.max_new_tokens:
+            return 0.0
+        cand = Rows.of([req], candidate_extend=extend)
+        if cand.rem[0] > self.horizon:  # it may run longer than any running request: widen
+            self.horizon = float(cand.rem[0])
+            self._build()
+        mean, var = self.moments(cand)
+        self._last = (req, extend, cand, mean, var)  # ``admitted`` adds these
+        # against the peak already promised (a wider grid may have moved self.peak)
+        return self._peak(self.mean + mean, self.var + var) - self.committed - extend
+
+    def admitted(self, req, extend: int) -> None:
+        if not req.params.max_new_tokens:
+            return
+        last = getattr(self, "_last", None)
+        if last is None or last[0] is not req or last[1] != extend:
+            self.reservation(req, extend)
+        _, _, cand, mean, var = self._last
+        self.rows = self.rows.plus(cand)
+        self.mean, self.var = self.mean + mean, self.var + var
+        self.peak = self._peak(self.mean, self.var)
+        self.committed = self.peak
+
+
+class Rows:
+    """Requests as arrays: share p, max_new m, remaining tokens, slots given back when they
+    finish (own), slots taken when admitted (start), arrival."""
+
+    __slots__ = ("p", "m", "rem", "own", "start", "arrival")
+
+    def __init__(self, p, m, rem, own, start, arrival):
+        self.p, self.m, self.rem = p, m, rem
+        self.own, self.start, self.arrival = own, start, arrival
+
+    @classmethod
+    def of(cls, reqs, candidate_extend: int | None = None) -> Rows:
+        # one pass over the requests (a step with hundreds running must stay cheap)
+        a = np.array([(r.params.max_new_tokens, len(r.output_ids), len(r.prompt_ids),
+                       r.cached_tokens, r.arrival) for r in reqs if r.params.max_new_tokens],
+                     dtype=np.float64).reshape(-1, 5)
+        m, out, prompt, cached, arrival = a.T
+        rem = np.clip(m - out, 0, CLIP_MAX_NEW_TOKENS)  # admission.reservable_tokens
+        if candidate_extend is None:  # running: finishing gives back all but the prefix it
+            own = np.maximum(prompt + out - cached, 0)  # found cached (others hold that)
+            start = np.zeros(len(m))
+        else:
+            own, start = np.zeros(len(m)), np.full(len(m), float(candidate_extend))
+        return cls(np.minimum(out / m, 1.0), m, rem, own, start, arrival)
+
+    @property
+    def victim_len(self) -> float:
+        """Prompt + generated tokens of the request retraction would pick first (the fewest
+        generated; retract.pick_victims), less what it found cached."""
+        out = self.p * self.m
+        return float((self.own)[np.argmin(out)]) if len(out) else 0.0
+
+    def plus(self, other: Rows) -> Rows:
+        return Rows(*(np.concatenate([getattr(self, k), getattr(other, k)])
+                      for k in self.__slots__))
 
 
 class AdaptiveRatio:
-    """Each running request's expected remaining tokens x a margin.
+    """``auto``: the survival curve of output shares, calibrated against the finishes it
+    predicts; z priced from a retraction's cost; model risk raised by retractions; the peak
+    admission (``plan``). Same interface as NewTokenRatio (``plan``, ``reserve``, ``step``,
+    ``finished``, ``observe``, ``after_retraction``, ``value``)."""
 
-    The expectation for a request at share p of its max_new_tokens is the mean over finished
-    requests whose share exceeded p of (share - p), blended with PRIOR x (1 - p) as PRIOR_WEIGHT
-    pseudo-observations. The margin falls while requests wait with token usage under the target
-    and the batch not full (the reservation is what keeps them out), faster the emptier the
-    pool, but only once MIN_EVIDENCE requests have finished (before that nothing says they stop
-    early); it rises after a retraction and holds for a minute after one. Same interface as
-    NewTokenRatio (``reserve``, ``step``, ``after_retraction``, ``value``), plus the two
-    observations the scheduler reports (``finished``, ``observe``).
-    """
-
-    def __init__(self, clock=time.monotonic):
-        self.clock = clock
-        self.shares = OutputShares()
-        self.margin = 1.0
-        self.last_retraction: float | None = None
-
-    def expected_share(self, p: float = 0.0) -> float:
-        """The share of max_new_tokens a request at share ``p`` is expected to add."""
-        n, total = self.shares.beyond(p)
-        return (total - n * p + PRIOR_WEIGHT * PRIOR * (1 - p)) / (n + PRIOR_WEIGHT)
+    def __init__(self):
+        # finished requests: share, arrival (events of the curve)
+        self.done_share: deque[float] = deque(maxlen=WINDOW)
+        self.done_arrival: deque[int] = deque(maxlen=WINDOW)
+        self.retraction_risk = 0.0  # what retractions added to the risk (decays as requests finish)
+        self.z = Z_MIN  # the last plan's z (for logs)
+        self.last_curve: SurvivalCurve | None = None
+        self.retractions = 0
+        # calibration: finishes seen / finishes the curve predicted, per step (decaying)
+        self.seen_finishes = self.predicted_finishes = CALIBRATION_PRIOR
+        self._predicted_now: float | None = None  # what this step's plan expects to finish
+        self._finished_now = 0
 
     @property
-    def generated_share(self) -> float:
-        """The expected share of max_new_tokens a new request generates (PRIOR before any)."""
-        return self.expected_share(0.0)
+    def hazard(self) -> float:
+        """The curve's hazards are scaled by this (S**hazard): when the running requests finish
+        less often than the curve says (the workload got longer), it falls below 1."""
+        return min(max(self.seen_finishes / self.predicted_finishes, HAZARD_MIN), 1.0)
 
     @property
-    def value(self) -> float:
-        """What a new request reserves, as a share of its max_new_tokens (for logs)."""
-        return min(self.generated_share * self.margin, 1.0)
+    def risk(self) -> float:
+        """The share of the gap between the curve's expectation and running to max_new_tokens
+        reserved as model risk: MODEL_RISK, plus how far the curve over-predicted finishes
+        lately (1 - hazard), plus what retractions added."""
+        return min(MODEL_RISK + (1 - self.hazard) + self.retraction_risk, 1.0)
 
-    def reserve(self, req) -> float:
-        """Slots held back for ``req``'s tokens still to come."""
-        remaining = reservable_tokens(req)
-        max_new = req.params.max_new_tokens
-        if not remaining or not max_new:
-            return 0.0
-        share = self.expected_share(len(req.output_ids) / max_new)
-        return min(share * max_new * self.margin, remaining)
-
-    def step(self) -> None:
-        """A decode step ran; the margin moves in ``observe``, which sees the step's usage."""
+    # -- the curve ---------------------------------------------------------------------------
+    def curve(self, rows: Rows | None = None) -> SurvivalCurve:
+        """Finished requests (events) and ``rows`` (running: censored at their share), weighted
+        by arrival recency, plus PRIOR_WEIGHT censored at share 1; calibrated by ``hazard``."""
+        rows = rows if rows is not None else Rows.of([])
+        done_share = np.fromiter(self.done_share, np.float64, len(self.done_share))
+        done_arrival = np.fromiter(self.done_arrival, np.float64, len(self.done_arrival))
+        arrivals = np.concatenate([done_arrival, rows.arrival])
+        newest = arrivals.max() if len(arrivals) else 0.0
+        weights = np.concatenate([0.5 ** ((newest - arrivals) / HALF_LIFE), [PRIOR_WEIGHT]])
+        shares = np.concatenate([done_share, rows.p, [1.0]])
+        events = np.concatenate([np.ones(len(done_share), bool), np.zeros(len(rows.p) + 1, bool)])
+        self.last_curve = SurvivalCurve(shares, events, weights, self.hazard)
+        return self.last_curve
 
     def finished(self, req) -> None:
         if req.finish_reason in ("stop", "length") and req.params.max_new_tokens:
-            self.shares.add(min(len(req.output_ids) / req.params.max_new_tokens, 1.0))
+            self.done_share.append(_share(req))
+            self.done_arrival.append(req.arrival)
+            self._finished_now += req.finish_reason == "stop"  # "length" was certain
+            self.retraction_risk *= 1 - RISK_DECAY
 
-    def observe(self, stats) -> None:
-        waiting_for_room = (stats.num_queue_reqs > 0 and stats.token_usage < TARGET_USAGE
-                            and stats.num_running_reqs < stats.max_running_requests
-                            and stats.forward_mode in ("decode", "mixed")
-                            and len(self.shares) >= MIN_EVIDENCE)
-        if waiting_for_room and not self.holding:
-            shortfall = (TARGET_USAGE - stats.token_usage) / TARGET_USAGE
-            decay = min(max(MARGIN_DECAY, GAP_DECAY * shortfall), MAX_DECAY)
-            self.margin = max(self.margin * (1 - decay), MIN_MARGIN)
+    # -- z -----------------------------------------------------------------------------------
+    def priced_z(self, curve: SurvivalCurve, rows: Rows) -> float:
+        """The normal quantile of the overflow probability worth accepting, gain / (gain +
+        cost): gain = the steps until the next request is expected to finish (admitting now
+        rather than then buys that many steps of one more row), cost = the likely victim's
+        recompute (its prompt + generated tokens, the victim being the running request with
+        the fewest generated) plus the same wait before it runs again."""
+        if len(rows.p) == 0:
+            return Z_MIN
+        gain = 1.0 / max(self._expected_finishes(curve, rows), 1e-6)
+        cost = rows.victim_len + gain
+        z = NormalDist().inv_cdf(1 - gain / (gain + cost))
+        return min(max(z, Z_MIN), Z_MAX)
+
+    @staticmethod
+    def _expected_finishes(curve: SurvivalCurve, rows: Rows) -> float:
+        """How many of ``rows`` ``curve`` expects to finish (stop) in the coming step."""
+        live = rows.rem > 1
+        p, m = rows.p[live], rows.m[live]
+        now = curve(p)
+        nxt = curve(p + 1 / m)
+        return float(np.where(now > 0, 1 - nxt / np.where(now > 0, now, 1.0), 0.0).sum())
+
+    # -- the scheduler's interface -------------------------------------------------------------
+    def plan(self, running) -> PeakPlan:
+        rows = Rows.of(running)
+        curve = self.curve(rows)
+        self.z = self.priced_z(curve, rows)
+        pending = float(sum(r.seq_len - r.alloc_len for r in running if r.seq_len > r.alloc_len))
+        plan = PeakPlan(curve, rows, pending, self.z, self.risk)
+        # the calibration compares the uncalibrated curve's prediction with what happens
+        self._predicted_now = self._expected_finishes(curve, rows) / self.hazard
+        self._finished_now = 0  # the finishes of this step's forward are what it predicted
+        return plan
+
+    def reserve(self, req) -> float:
+        """The tokens ``req`` is expected to add (for reports; admission goes through plan)."""
+        remaining = reservable_tokens(req)
+        if not remaining or not req.params.max_new_tokens:
+            return 0.0
+        curve = self.last_curve or self.curve()
+        return min(curve.expected_share(_share(req)) * req.params.max_new_tokens, remaining)
 
     @property
-    def holding(self) -> bool:
-        """A retraction happened less than QUIET_S ago."""
-        return (self.last_retraction is not None
-                and self.clock() - self.last_retraction < QUIET_S)
+    def value(self) -> float:
+        """The share of max_new_tokens a new request is expected to generate (for logs)."""
+        return (self.last_curve or self.curve()).expected_share(0.0)
 
-    def after_retraction(self, running) -> tuple[float, float]:
-        old = self.value
-        # up to where a new request reserves its whole max_new_tokens, no higher
-        cap = min(MAX_MARGIN, max(1 / self.generated_share, 1.0))
-        self.margin = max(self.margin, min(self.margin * RETRACT_BUMP, cap))
-        self.last_retraction = self.clock()
-        return old, self.value
+    def step(self) -> None:
+        """A decode step ran: fold its finishes and the plan's prediction into the calibration."""
+        if self._predicted_now is None:  # no plan this step: nothing to compare
+            self._finished_now = 0
+            return
+        d, prior = CALIBRATION_DECAY, (1 - CALIBRATION_DECAY) * CALIBRATION_PRIOR
+        self.seen_finishes = d * self.seen_finishes + self._finished_now + prior
+        self.predicted_finishes = d * self.predicted_finishes + self._predicted_now + prior
+        self._finished_now, self._predicted_now = 0, None
+
+    def observe(self, stats) -> None:
+        """The step's stats (the plan reads the requests themselves)."""
+
+    def after_retraction(self, running, victims=()) -> tuple[float, float]:
+        """Raise the model risk by what the retraction cost: the victims' tokens to recompute,
+        in units of the mean running request's length, x RETRACT_RISK. Returns the risk before
+        and after (the log line's pair)."""
+        old = self.risk
+        lengths = [r.seq_len for r in running]
+        mean_len = max(sum(lengths) / len(lengths), 1.0) if lengths else 1.0
+        cost = sum(v.seq_len for v in victims) if victims else mean_len
+        self.retraction_risk = min(self.retraction_risk + RETRACT_RISK * cost / mean_len,
+                                   RETRACTION_RISK_MAX)
+        self.retractions += 1
+        return old, self.risk
 
     def describe(self) -> str:
-        return (f"auto: new requests reserve {self.value:.4f} of max_new_tokens = expected share "
-                f"{self.generated_share:.3f} ({len(self.shares)} finished) x margin "
-                f"{self.margin:.3f}")
+        return (f"auto: a new request is expected to generate {self.value:.3f} of max_new_tokens "
+                f"({len(self.done_share)} finished); z {self.z:.2f}, hazard x{self.hazard:.2f}, "
+                f"model risk {self.risk:.2f} (retractions {self.retraction_risk:.2f}; "
+                f"{self.retractions} retraction steps)")

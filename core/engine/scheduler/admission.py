@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.scheduler.request import Req, Status
 
@@ -33,6 +34,10 @@ class NewTokenRatio:
         """Slots held back for ``req``'s tokens still to come."""
         return reservable_tokens(req) * self.value
 
+    def plan(self, running) -> SumPlan:
+        """This step's admission: every request's reservation, summed."""
+        return SumPlan(self, running)
+
     def step(self) -> None:
         self.value = max(self.value - self.decay, self.min)
 
@@ -42,7 +47,7 @@ class NewTokenRatio:
     def observe(self, stats) -> None:
         """Nor from a step's usage."""
 
-    def after_retraction(self, running) -> tuple[float, float]:
+    def after_retraction(self, running, victims=()) -> tuple[float, float]:
         old = self.value
         total_max_new = sum(r.params.max_new_tokens for r in running)
         decoded = sum(len(r.output_ids) for r in running)
@@ -61,8 +66,26 @@ def reservable_tokens(req) -> int:
 
 def still_needed(running, ratio) -> float:
     """What the running requests are still counted for: the slots ``ratio`` reserves for their
-    new tokens plus the prompt tokens they have not computed yet (all but the last)."""
-    return sum(ratio.reserve(r) + (r.seq_len - r.kv_len - 1) for r in running)
+    new tokens plus the prompt tokens that have no slot yet (a chunk allocated this step
+    already holds its slots: counting it again would hold new requests back)."""
+    return sum(ratio.reserve(r) + max(r.seq_len - r.alloc_len, 0) for r in running)
+
+
+class SumPlan:
+    """SGLang's admission arithmetic for one step: ``held`` is what the running requests are
+    counted for (``still_needed``), a candidate reserves ``ratio.reserve`` on top (the shares
+    add up; adaptive.PeakPlan is the other kind: a candidate adds what it raises a peak by)."""
+
+    def __init__(self, ratio, running):
+        self.ratio = ratio
+        self.held = still_needed(running, ratio)
+
+    def reservation(self, req, extend: int) -> float:
+        """Slots ``req`` holds back beyond its ``extend`` uncached prompt tokens."""
+        return self.ratio.reserve(req)
+
+    def admitted(self, req, extend: int) -> None:
+        """``req`` was admitted with ``reservation(req, extend)``."""
 
 
 @dataclass
@@ -100,6 +123,7 @@ class StepPrefill:
     budget: PrefillBudget
     chunks: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
     reserve: float = 0.0  # slots held back for running and just-admitted requests
+    plan: Any = None  # the ratio's plan (SumPlan or adaptive.PeakPlan) once admission starts
     new_seqs: int = 0
     cached: int = 0  # prompt tokens the new requests found in the radix cache
 
@@ -115,6 +139,8 @@ class StepPrefill:
         """A request just admitted: ``n`` of its ``extend`` uncached prompt tokens run now; the
         rest, and its share of new tokens, are reserved."""
         self.reserve += reservation + (extend - n)
+        if self.plan is not None:
+            self.plan.admitted(req, extend)
         self.add(req, n)
         self.new_seqs += 1
         self.cached += cached

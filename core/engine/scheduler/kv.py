@@ -84,7 +84,9 @@ class KVManager:
 
     # -- admission -----------------------------------------------------------------------------
     def match(self, req: Req) -> Prefix:
-        if self.cache is None:
+        # a prompt whose logprobs are asked for runs from its first token (scheduler/
+        # prompt_logprobs.py): a cached prefix would have no logits
+        if self.cache is None or req.scores_prompt:
             return Prefix(torch.empty(0, dtype=torch.int64), None)
         # the last token always goes through the model: its logits are needed to sample
         return Prefix(*self.cache.match_prefix(req.seq[: req.seq_len - 1]))
@@ -125,24 +127,30 @@ class KVManager:
     def grow_decodes(self, reqs: list[Req]) -> None:
         """One more slot for each of ``reqs`` (each decodes one token), allocated and recorded
         in one go; the caller has made ``decode_slots_needed(reqs)`` free."""
-        reqs = [r for r in reqs if r.alloc_len == r.kv_len]
-        if not reqs:
+        grown, rows, positions = [], [], []  # one pass over the requests
+        for r in reqs:
+            a = r.alloc_len
+            if a == r.kv_len:
+                grown.append(r)
+                rows.append(r.row)
+                positions.append(a)
+        if not grown:
             return
+        reqs = grown
         table, page = self.pool.req_to_token, self.page
-        positions = [r.alloc_len for r in reqs]
         assert max(positions) < table.shape[1], "sequence longer than max_context_len"
-        rows = torch.tensor([r.row for r in reqs], device=table.device)
-        pos = torch.tensor(positions, device=table.device)
-        full = [p % page == 0 for p in positions]  # rows whose last page is full
-        pages = self.pool.alloc_pages(sum(full))
-        assert pages is not None, "no room made for the decodes"
-        pages = pages.to(table.device, table.dtype)
-        if page == 1:
-            slots = pages
+        if page == 1:  # every decode takes a new page of one slot
+            slots = self.pool.alloc_pages(len(reqs))
+            assert slots is not None, "no room made for the decodes"
         else:  # a new page where the last one is full, else the last page's next slot
-            slots = table[rows, (pos - 1).clamp(min=0)] + 1
+            full = [p % page == 0 for p in positions]  # rows whose last page is full
+            pages = self.pool.alloc_pages(sum(full))
+            assert pages is not None, "no room made for the decodes"
+            pages = pages.to(table.device, table.dtype)
+            pos = torch.tensor(positions, device=table.device)
+            slots = table[torch.tensor(rows, device=table.device), (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
-        self.pool.write_slots([r.row for r in reqs], positions, slots)
+        self.pool.write_slots(rows, positions, slots)
         for r in reqs:
             r.alloc_len += 1
 

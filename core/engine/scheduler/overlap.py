@@ -6,9 +6,12 @@ Outputs are those of the synchronous scheduler, because:
 - a decode row whose token is still being sampled in the previous batch carries a placeholder
   that the worker fills in from that batch's tokens before the forward;
 - the worker samples a batch only after the scheduler has processed the previous one (tokens
-  appended, stop checks, grammar advanced), so penalties, grammar masks and seeded generators
-  see exactly what they would see synchronously; rows of requests that finished (or were
-  aborted) meanwhile are computed and discarded, never sampled;
+  appended, stop checks, grammar advanced), so grammar masks see exactly what they would see
+  synchronously, and the scheduler's SamplingState (penalty counts, seed positions: it takes
+  in each batch's sampled tokens, which the commit then appends) is used by one thread at a
+  time, batch after batch in order (the worker; after a drain, the synchronous step's
+  thread); rows of requests that finished (or were aborted) meanwhile are computed and
+  discarded, never sampled (the state drops them);
 - a request in flight is never retracted: when the pool is short for the decodes, the
   in-flight batch is drained and a synchronous step runs (it retracts as usual).
 A request whose pending token is its last (max_new_tokens) gets no extra row.
@@ -25,6 +28,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.scheduler.admission import StepPrefill
 from engine.scheduler.grammar import wait_for_compiles
+from engine.scheduler.prompt_logprobs import all_logits_needed, record
 from engine.scheduler.request import Req, Status
 from engine.stats import is_out_of_memory
 
@@ -39,6 +43,8 @@ class Job:
     placeholders: list[tuple[int, Req]]  # (index in input_ids, request whose token goes there)
     prev: "Job | None"
     chunks: bool  # the batch holds prompt chunks (for the prefill OOM counter)
+    all_logits: bool = False  # a prompt chunk's logprobs are asked for (prompt_logprobs.py)
+    scored: list[Req] = field(default_factory=list)  # requests only scoring, done with it
     done: threading.Event = field(default_factory=threading.Event)  # worker: sampled
     processed: threading.Event = field(default_factory=threading.Event)  # scheduler: committed
     rows: list[Req] = field(default_factory=list)  # the rows sampled
@@ -75,8 +81,10 @@ class OverlapSchedule:
     def step(self) -> list[Req]:
         s, prev = self.s, self.inflight
         pending = prev.sampled if prev is not None else set()
+        # (a request only scoring its prompt whose prompt ran in flight has nothing to decode)
         decodes = [r for r in s.running if not r.prefilling
-                   and not (r in pending and r.remaining_new_tokens <= 1)]
+                   and not (r in pending and r.remaining_new_tokens <= 1)
+                   and (r in pending or r.kv_len < r.seq_len)]
         if not s.kv.ensure_free(s.kv.decode_slots_needed(decodes)):
             # retract only with nothing in flight: drain it, then a synchronous step
             return self.drain() + s.sync_step()
@@ -117,12 +125,11 @@ class OverlapSchedule:
             else:
                 ids.append(r.tokens(r.kv_len, r.kv_len + 1))
         batch = s.forward_batch(decodes, prefill.chunks, ids)
+        all_logits = all_logits_needed(prefill.chunks)
         s.kv.computed(decodes, prefill.chunks)  # the forward will have written them
-        n = len(decodes)
-        sample = list(range(n)) + [n + k for k, (r, _) in enumerate(prefill.chunks)
-                                   if r.kv_len == r.seq_len]
-        job = Job(decodes + [r for r, _ in prefill.chunks], batch, sample, placeholders,
-                  self.inflight, bool(prefill.chunks))
+        reqs = decodes + [r for r, _ in prefill.chunks]
+        job = Job(reqs, batch, s.rows_to_sample(reqs, len(decodes)), placeholders, self.inflight,
+                  bool(prefill.chunks), all_logits, s.scored_done(reqs))
         self._jobs.put(job)
         return job
 
@@ -133,15 +140,16 @@ class OverlapSchedule:
         try:
             if job.error is not None:
                 raise job.error
+            scored = self.s.finish_scored(job.scored)  # only scored their prompt: done
             keep = [j for j, r in enumerate(job.rows) if r.status is Status.RUNNING]
             if not keep:
-                return []
+                return scored
 
             def pick(xs):
                 return xs if xs is None or len(keep) == len(job.rows) else [xs[j] for j in keep]
 
-            return self.s.commit(pick(job.rows), pick(job.tokens), pick(job.logprobs),
-                                 pick(job.top_logprobs))
+            return scored + self.s.commit(pick(job.rows), pick(job.tokens), pick(job.logprobs),
+                                          pick(job.top_logprobs))
         finally:
             job.processed.set()
 
@@ -192,7 +200,11 @@ class OverlapSchedule:
                 ids = job.batch.input_ids
                 ids[torch.tensor(dst, device=ids.device)] = prev.next_ids[
                     torch.tensor(src, device=prev.next_ids.device)].to(ids.device, ids.dtype)
-        logits = self.s.runner.forward(job.batch)
+        if job.all_logits:  # the prompt logprobs asked for (echo): every position's logits
+            logits = record(self.s.runner.forward(job.batch, return_all_logits=True),
+                            job.batch, job.reqs)
+        else:
+            logits = self.s.runner.forward(job.batch)
         if prev is not None:  # the previous batch's tokens appended, its finished known
             prev.processed.wait()
         sample = [i for i in job.sample if job.reqs[i].status is Status.RUNNING]

@@ -27,10 +27,10 @@ class Req:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: Any = None  # the eos / stop token id or stop string that ended it
-    generator: Any = None  # per-request torch.Generator when seeded
     group_leader: "Req | None" = None  # for n > 1: wait until the leader's prompt is cached
     detokenizer: Any = None  # set by whoever needs text while running (stop strings, streams)
-    seen: Any = None  # SeenTokens for penalties, made by the scheduler at the first sampling
+    seen: Any = None  # optional SeenTokens that append_token counts into (the scheduler's
+    # sampling keeps its own penalty state: engine.sampling.SamplingState)
     grammar: Any = None  # engine.grammar.RequestGrammar of a constrained request (own matcher)
     error: str | None = None  # why it finished with reason "error"
     # KV state: written only by engine.scheduler.kv.KVManager (read by anyone)
@@ -44,6 +44,12 @@ class Req:
     # per-token extras
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # the prompt's own logprobs (echo + logprobs): how many top entries per position (None:
+    # not asked); input_logprobs[i] is log p(prompt[i] | prompt[:i]) (None for i = 0), filled
+    # as its prompt chunks run (scheduler/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # timing
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -77,6 +83,13 @@ class Req:
     def prefilling(self) -> bool:
         """True until every token but the last has K/V (after that it decodes)."""
         return self.kv_len < self.seq_len - 1
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True while the logprobs of its prompt are asked for and not all computed yet: its
+        prompt then runs from the first token (no cached prefix) in chunks that return the
+        logits of every position."""
+        return self.prompt_logprobs is not None and len(self.input_logprobs) < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

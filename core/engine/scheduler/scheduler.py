@@ -5,15 +5,14 @@ from __future__ import annotations
 import time
 
 from engine.forward_batch import ForwardBatch
-from engine.sampling import Sampler, SamplingBatch, token_stop_reason
-from engine.sampling.penalties import SeenTokens
+from engine.sampling import Sampler, SamplingState, token_stop_reason
 from engine.scheduler.adaptive import make_ratio
 from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
-                                        prefix_in_flight, still_needed,
-                                        waits_for_leader)
+                                        prefix_in_flight, waits_for_leader)
 from engine.scheduler.grammar import (StepMasks, admissible, advance, start_matchers,
                                       wait_for_compiles)
 from engine.scheduler.kv import KVManager
+from engine.scheduler.prompt_logprobs import all_logits_needed, chunk_cap, record
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
 from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
@@ -27,6 +26,7 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        self.sampling = SamplingState(vocab_size, self.eos_ids)  # kept across steps
         self.masks = StepMasks(vocab_size)  # structured outputs: the constrained rows' bitmask
         self.ratio = make_ratio(config.schedule_conservativeness)  # a number, or "auto"
         self.waiting: list[Req] = []
@@ -75,7 +75,9 @@ class Scheduler:
     def sync_step(self) -> list[Req]:
         """Plan, forward, sample and finish one batch, all before returning."""
         failed = self._fail_grammars()
-        decodes = [r for r in self.running if not r.prefilling]
+        # Req.prefilling, inline (every running request, every step)
+        decodes = [r for r in self.running
+                   if r.kv_len >= len(r.prompt_ids) + len(r.output_ids) - 1]
         retracted = self._make_room(decodes)
         if retracted:
             decodes = [r for r in decodes if r.status is Status.RUNNING]
@@ -134,7 +136,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.status is Status.RUNNING]
         self.waiting += victims
         assert self.kv.ensure_free(need), "a lone request does not fit the KV pool"
-        old, new = self.ratio.after_retraction(self.running)
+        old, new = self.ratio.after_retraction(self.running, victims)
         self.counters.retracted_reqs += len(victims)
         self.log.retraction([v.rid for v in victims], old, new)
         return len(victims)
@@ -148,14 +150,15 @@ class Scheduler:
         if len(self.running) > num_decodes:  # a chunked prompt continues first
             for r in self.running:
                 if r.prefilling:
-                    n = prefill.budget.take(r.seq_len - r.kv_len)
+                    n = prefill.budget.take(self._chunk_len(r, r.seq_len - r.kv_len, prefill))
                     if n and self.kv.grow(r, n):
                         prefill.add(r, n)
         # nothing can be admitted (every prompt brings at least one token): don't order the queue
         if (not self.waiting or len(self.running) >= self.sizing.max_running_requests
                 or prefill.budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
             return prefill
-        prefill.reserve = still_needed(self.running, self.ratio)
+        prefill.plan = self.ratio.plan(self.running)  # what the running requests hold back
+        prefill.reserve = prefill.plan.held
         if self.kv.available() - prefill.reserve < 1 and (self.running or prefill.chunks):
             return prefill
         for r in self._queue_in_policy_order():
@@ -177,10 +180,10 @@ class Scheduler:
         if self.kv.cache is not None and prefix_in_flight(r, cached, prefill.chunks):
             return Verdict.WAITS  # that prefix is cached in a step or two: don't compute it twice
         extend = r.seq_len - cached
-        n = prefill.budget.take(extend)
+        n = prefill.budget.take(self._chunk_len(r, extend, prefill))
         if n == 0:
             return Verdict.NO_BUDGET
-        reservation = self.ratio.reserve(r)
+        reservation = prefill.plan.reservation(r, extend)
         room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
         if extend + reservation > room and (self.running or prefill.chunks):
             return Verdict.NO_ROOM  # (a lone request is always tried)
@@ -194,6 +197,18 @@ class Scheduler:
             self.counters.cached_tokens += cached
         prefill.add_new(r, n, extend, cached, reservation)
         return Verdict.ADMITTED if n == extend else Verdict.CHUNKED
+
+    @staticmethod
+    def _chunk_len(r: Req, extend: int, prefill: StepPrefill) -> int:
+        """The prompt tokens ``r`` asks to run this step: all ``extend``, or fewer when it
+        scores its prompt (every position's logits are kept: prompt_logprobs.py caps them)."""
+        cap = chunk_cap(r, prefill.tokens)
+        if cap is None:
+            return extend
+        if cap < extend:  # a partial chunk ends on a page boundary
+            cap -= cap % prefill.budget.page_size
+        prefill.budget.chunk = min(prefill.budget.chunk, cap)  # the step holds no more
+        return min(extend, cap)
 
     def _queue_in_policy_order(self) -> list[Req]:
         hints = {}  # a policy may ask twice: match once
@@ -214,21 +229,58 @@ class Scheduler:
         """One forward over the decodes and the prompt chunks (in that order); samples a token
         for every request whose K/V then covers its whole sequence."""
         reqs = decodes + [r for r, _ in chunks]
-        logits = self.runner.forward(self.forward_batch(decodes, chunks))
+        batch = self.forward_batch(decodes, chunks)
+        scoring = all_logits_needed(chunks)
+        if scoring:  # the prompt logprobs asked for (echo): every position's logits
+            logits = record(self.runner.forward(batch, return_all_logits=True), batch, reqs)
+        else:
+            logits = self.runner.forward(batch)
         self.kv.computed(decodes, chunks)
-        sample = [i for i, r in enumerate(reqs) if r.kv_len == r.seq_len]
+        sample = self.rows_to_sample(reqs, len(decodes))
+        scored = self.finish_scored(self.scored_done(reqs))
         if not sample:
-            return []
+            return scored
         rows = reqs if len(sample) == len(reqs) else [reqs[i] for i in sample]
         out = self.sample(logits, sample, rows)
         tokens = out.next_token_ids.tolist()  # the step's one device sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        return self.commit(rows, tokens, logprobs, out.top_logprobs)
+        return scored + self.commit(rows, tokens, logprobs, out.top_logprobs)
+
+    @staticmethod
+    def rows_to_sample(reqs: list[Req], num_decodes: int) -> list[int]:
+        """Indices of the rows to sample among a batch's ``reqs`` (its ``num_decodes`` decodes
+        first), once it ran: every decode, and the prompts whose K/V now covers the whole
+        sequence; never a request only scoring its prompt (max_new_tokens 0)."""
+        return [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0
+                and (i < num_decodes or r.kv_len == r.seq_len)]
+
+    @staticmethod
+    def scored_done(reqs: list[Req]) -> list[Req]:
+        """The requests among a batch's ``reqs`` that only score their prompt (max_new_tokens
+        0) and whose whole prompt the batch completes."""
+        return [r for r in reqs if r.params.max_new_tokens == 0 and r.kv_len == r.seq_len]
+
+    def finish_scored(self, reqs: list[Req]) -> list[Req]:
+        """Finish (reason "length") those of ``scored_done``'s requests still running once
+        their batch ran; returns them."""
+        done = [r for r in reqs if r.status is Status.RUNNING]
+        for r in done:
+            self._release_finished(r, "length", None)
+        if done:
+            self.running = [r for r in self.running if not r.finished]
+        return done
 
     def forward_batch(self, decodes: list[Req], chunks: list[tuple[Req, int]],
                       decode_ids: list[list[int]] | None = None) -> ForwardBatch:
         """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks."""
         table = self.kv.pool.req_to_token
+        if not chunks:  # a decode step: one token each, the last of its sequence
+            if decode_ids is None:
+                ids = [(r.output_ids or r.prompt_ids)[-1] for r in decodes]
+            else:
+                ids = [x[0] for x in decode_ids]
+            return ForwardBatch.decode(ids, [r.kv_len for r in decodes],
+                                       [r.row for r in decodes], table, device=table.device)
         reqs = decodes + [r for r, _ in chunks]
         if decode_ids is None:
             decode_ids = [r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]
@@ -242,47 +294,77 @@ class Scheduler:
         return self._sample(logits if len(sample) == logits.shape[0] else logits[sample], rows)
 
     def commit(self, rows: list[Req], tokens: list[int], logprobs, top_logprobs) -> list[Req]:
-        """Append each row's sampled token; stop checks, grammar, finishing. Returns ``rows``."""
+        """Append each row's sampled token; stop checks, grammar, finishing. Returns ``rows``.
+        One pass with the per-step values hoisted; the stop checks inline (``_check_stop``
+        says the same): most rows need no more than appending their token."""
         now = time.monotonic()
         finished = False
+        eos = self.eos_ids
+        ttft = self.counters.ttft
+        check_stop = self._check_stop
         for j, r in enumerate(rows):
             token = tokens[j]
-            r.append_token(token)
-            if logprobs is not None and r.params.logprobs:
+            out = r.output_ids
+            out.append(token)  # Req.append_token
+            if r.seen is not None:
+                r.seen.add(token)
+            p = r.params
+            if logprobs is not None and p.logprobs:
                 r.output_logprobs.append(logprobs[j])
                 if top_logprobs is not None:
                     r.output_top_logprobs.append(top_logprobs[j])
             if r.first_token_time is None:
                 r.first_token_time = now
-                self.counters.ttft.append(now - r.created)
-            if r.grammar is None or not self._advance_grammar(r, token):
-                self._check_stop(r, token)
-            finished = finished or r.finished
+                ttft.append(now - r.created)
+            if r.grammar is not None:
+                if self._advance_grammar(r, token):
+                    finished = True
+                    continue
+                check_stop(r, token)
+                finished = finished or r.status is Status.FINISHED
+                continue
+            # _check_stop, inline: an EOS / stop token id, then stop strings, then the length
+            n = len(out)
+            if n >= p.min_new_tokens and (
+                    (token in eos and not p.ignore_eos) or token in p.stop_token_ids):
+                self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
+                finished = True
+            else:
+                det = r.detokenizer
+                if det is not None:  # stop strings: IncrementalDetokenizer.check
+                    queued, codes = det.pending, det.codes
+                    if queued and token < len(codes) and codes[token] == 0:
+                        queued.append(token)  # all that check does here (most tokens)
+                    elif det.check(token):
+                        self._release_finished(r, "stop", det.matched_stop)
+                        finished = True
+                        continue
+                if n >= p.max_new_tokens:
+                    self._release_finished(r, "length", None)
+                    finished = True
         self.counters.generation_tokens += len(rows)
         if finished:
-            self.running = [r for r in self.running if not r.finished]
+            self.running = [r for r in self.running if r.status is not Status.FINISHED]
         return rows
 
     def _sample(self, logits, rows: list[Req]):
-        for r in rows:
-            if r.seen is None and r.params.uses_penalties:
-                r.seen = SeenTokens(self.vocab_size, r.prompt_ids, r.output_ids)
-        batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows],
-                                    [r.output_ids for r in rows], [r.generator for r in rows],
-                                    self.eos_ids, self.vocab_size, device=logits.device,
-                                    seen=[r.seen for r in rows])
+        """Sample one token per request of ``rows`` (logits [len(rows), V]). The sampling
+        inputs persist across steps (SamplingState: only rows that join are built) and take in
+        the tokens sampled here, which ``commit`` appends to the same requests before any
+        later sampling (the overlap worker samples only after the previous batch's commit)."""
+        batch = self.sampling.batch(rows, logits.device)
         batch.allowed = self.masks.fill(rows)
-        return self.sampler(logits, batch, overwrite=True)
+        out = self.sampler(logits, batch, overwrite=True)
+        self.sampling.advance(out.next_token_ids)
+        return out
 
     def _check_stop(self, r: Req, token: int) -> None:
         """Finish ``r`` if its latest token ends it (the caller drops it from ``running``)."""
         reason = token_stop_reason(r.params, r.output_ids, self.eos_ids)
         if reason == "stop":
             return self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
-        if r.detokenizer is not None:
-            r.detokenizer.add([token])
-            if r.detokenizer.stopped:
-                return self._release_finished(r, "stop", r.detokenizer.matched_stop)
+        if r.detokenizer is not None and r.detokenizer.check(token):
+            return self._release_finished(r, "stop", r.detokenizer.matched_stop)
         if reason == "length":
             self._release_finished(r, "length", None)
 

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, ``n`` choices, logprobs, SSE."""
+"""POST /v1/chat/completions: the tokenizer's chat template (rendered in a bounded sandbox on a
+tokenizer thread: engine.server.templates), ``n`` choices, logprobs, SSE."""
 
 from __future__ import annotations
 
@@ -27,24 +28,33 @@ from engine.server.serving import (
     usage,
 )
 from engine.server.streaming import DONE, EventStream, sse
+from engine.server.templates import ChatTemplateError, ChatTemplates
 
 
-def prepare_chat(messages: list[dict], sampling: dict, add_generation_prompt: bool,
-                 template_kwargs: dict | None):
+def chat_templates(st) -> ChatTemplates:
+    """The server's ChatTemplates (made at the first chat request)."""
+    if st.templates is None:
+        engine = st.runtime.engine
+        st.templates = ChatTemplates(
+            engine.tokenizer,
+            trust_request_template=bool(getattr(engine.config, "trust_request_chat_template",
+                                                False)),
+            context_length=engine.sizing.context_length)
+    return st.templates
+
+
+def prepare_chat(templates: ChatTemplates, messages: list[dict], sampling: dict,
+                 add_generation_prompt: bool, template_kwargs: dict | None,
+                 template: str | None = None):
+    """Runs on a tokenizer thread (EngineRuntime.submit): render, tokenize, sampling params."""
     def run(engine):
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions "
-                              "with a prompt instead", param="messages")
         try:
-            text = tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(template_kwargs or {}))
-        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, TypeError)
-            raise bad_request(f"the chat template could not render these messages: {e}",
-                              param="messages") from None
+            text = templates.render(messages, add_generation_prompt, template, template_kwargs)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param=e.param, code=e.limit and
+                              f"chat_template_{e.limit}_limit") from None
         # the template already wrote the special tokens (BOS) it wants
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
         return ids, engine_params(engine, ids, sampling)
     return run
 
@@ -67,8 +77,14 @@ async def create_chat_completion(request: Request):
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     sampling = openai_sampling(body, max_new, body.logprobs, body.top_logprobs or 0)
-    prepare = prepare_chat([_message(m) for m in body.messages], sampling,
-                           body.add_generation_prompt, body.chat_template_kwargs)
+    templates = chat_templates(st)
+    try:  # a template sent with the request: refused unless --trust-request-chat-template
+        templates.check_request(body.chat_template, body.chat_template_kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param=e.param, code="chat_template_not_allowed") from None
+    prepare = prepare_chat(templates, [_message(m) for m in body.messages], sampling,
+                           body.add_generation_prompt, body.chat_template_kwargs,
+                           body.chat_template)
     constraint = body_constraint(body)
     await compile_first(st, constraint)
     items = [(Handle(body.stream, body.logprobs, constraint=constraint), prepare)]

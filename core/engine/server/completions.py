@@ -14,7 +14,6 @@ from engine.server.body import read_model
 from engine.server.constraints import body_constraint, compile_first
 from engine.server.handle import Handle
 from engine.server.openai import CompletionRequest
-from engine.server.prompt_logprobs import RETRY, prompt_logprobs
 from engine.server.serving import (
     OPENAI_NAMES,
     abort,
@@ -25,7 +24,6 @@ from engine.server.serving import (
     state,
     submit,
     submitted,
-    to_api_error,
     unless_disconnected,
     usage,
 )
@@ -45,19 +43,18 @@ async def create_completion(request: Request):
     sampling = openai_sampling(body, body.max_tokens, top_n is not None, top_n or 0)
     constraint = body_constraint(body)
     await compile_first(st, constraint)
-    items = [(Handle(body.stream, top_n is not None, constraint=constraint),
-              prepare_prompt(x, sampling)) for x in prompts]
+    # echo + logprobs: the scheduler scores the prompt in its own batches
+    scoring = top_n if body.echo and top_n is not None else None
+    items = [(Handle(body.stream, top_n is not None, constraint=constraint,
+                     prompt_logprobs=scoring), prepare_prompt(x, sampling)) for x in prompts]
     c = _Completion(st, body, prompts)
     if body.stream:
         handles = await submit(st, items, RENAME)
         return EventStream(c.events(handles), on_close=lambda: abort(st, handles))
     async with submitted(st, items, RENAME) as handles:
-        try:
-            echo = await c.echo(handles) if body.echo else None
-        except Exception as e:  # noqa: BLE001 - mapped, or re-raised as is
-            raise to_api_error(e) from None
         results = await unless_disconnected(
             request, asyncio.gather(*(h.results() for h in handles)))
+    echo = await c.echo_texts(handles) if body.echo else None
     choices, completion_tokens, cached = [], 0, 0
     for pi, (h, res) in enumerate(zip(handles, results)):
         for j in range(body.n):
@@ -84,36 +81,23 @@ class _Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.st.settings.served_model_name}
 
-    async def echo(self, handles: list) -> list[tuple]:
-        """Per prompt: its text and, with logprobs, (ids, logprobs, top, pieces); computed on
-        the engine thread."""
-        runtime, top_n = self.st.runtime, self.body.logprobs
+    async def echo_texts(self, handles: list) -> list[str]:
+        """Per prompt, its text (token-id prompts decoded off the engine thread)."""
+        tokenizer = self.st.runtime.engine.tokenizer
+        return [prompt if isinstance(prompt, str) else
+                await asyncio.to_thread(tokenizer.decode, h.prompt_ids)
+                for prompt, h in zip(self.prompts, handles)]
 
-        def job(engine):
-            out = []
-            for prompt, h in zip(self.prompts, handles):
-                text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(h.prompt_ids)
-                scored = None
-                if top_n is not None:
-                    scored = prompt_logprobs(engine, h.prompt_ids, top_n)
-                    if scored is RETRY:
-                        return RETRY
-                    ids = h.prompt_ids + [t for row in scored[1] if row for t, _ in row]
-                    scored = (h.prompt_ids, *scored, runtime.pieces(ids))
-                out.append((text, scored))
-            return out
-
-        return await runtime.call(job)
-
-    def choice(self, index: int, echo, d, first: bool = True) -> dict:
-        """A choice (or a streamed chunk's choice) from an echo and a delta (None: no tokens)."""
+    def choice(self, index: int, echo: str | None, d, first: bool = True) -> dict:
+        """A choice (or a streamed chunk's choice) from an echo and a delta (None: no tokens);
+        with logprobs, the prompt's own come on the delta (``d.prompt``)."""
         text, lp = "", None
         if self.body.logprobs is not None:
             lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if echo is not None and first:
-            text = echo[0]
-            if lp is not None:
-                self._add_logprobs(lp, index, *echo[1])
+            text = echo
+            if lp is not None and d is not None and d.prompt is not None:
+                self._add_logprobs(lp, index, *d.prompt, d.pieces)
         if d is not None:
             text += d.text
             if lp is not None:
@@ -142,15 +126,7 @@ class _Completion:
 
     async def events(self, handles: list):
         body, n = self.body, self.body.n
-        try:
-            echo = await self.echo(handles) if body.echo else None
-        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            error = to_api_error(e)
-            yield sse(error.body() if hasattr(error, "body") else
-                      {"error": {"message": str(e), "type": "internal_server_error",
-                                 "param": None, "code": None}})
-            yield DONE
-            return
+        echo = await self.echo_texts(handles) if body.echo else None
         pending = {pi * n + j for pi, h in enumerate(handles) for j in range(n)}
         completion_tokens, cached = 0, 0
 

@@ -112,7 +112,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     add_generation_prompt: bool = True
+    # variables for the chat template (only those it uses are passed); a template of the
+    # request's own (here or as chat_template_kwargs.chat_template) needs the server's
+    # --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class GenerateSamplingParams(Body):

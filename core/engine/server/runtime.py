@@ -1,9 +1,13 @@
 """The engine loop on its own thread, bridged to asyncio.
 
-Only the engine thread touches the Engine (its scheduler, KV pool and tokenizer); the HTTP side
-sends it jobs through a thread-safe queue and gets results and token deltas back on the event
-loop through ``call_soon_threadsafe``, one call per step for all requests. So a slow forward
-never blocks the HTTP side, and nothing needs a lock.
+Only the engine thread touches the Engine's scheduler and KV pool; the HTTP side sends it jobs
+through a thread-safe queue. The engine thread only schedules: prompts are templated and
+tokenized before they reach it, on the tokenizer threads (SGLang's TokenizerManager:
+``submit``), and the text of what it generates is made after it, on the detokenizer thread
+(SGLang's DetokenizerManager: engine.server.detokenize), which hands the token deltas to the
+event loop through ``call_soon_threadsafe``, one call per step for all requests. The engine
+thread decodes only for requests with stop strings (a window of a few tokens per token, to
+find them). So neither a slow forward nor a long prompt or template blocks the other side.
 """
 
 from __future__ import annotations
@@ -14,16 +18,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.server.handle import Delta, Handle, final_delta, stream_delta
-from engine.server.prompt_logprobs import RETRY
+from engine.scheduler.request import Status
+from engine.server.detokenize import DetokenizerThread
+from engine.server.handle import Delta, Handle
 
 logger = logging.getLogger("engine.server")
 IDLE_WAKE_S = 0.5  # idle ticks keep the throughput gauge falling to zero
 # failed steps in a row (no step succeeding in between) after which the engine is declared
 # unable to serve (/health 503) instead of failing every new request the same way
 MAX_FAILED_STEPS = 3
+# threads that template and tokenize prompts (a long prompt or a slow template holds one)
+TOKENIZER_THREADS = 4
 
 
 class QueueFull(Exception):
@@ -52,16 +60,19 @@ class EngineRuntime:
         self._pending: set[asyncio.Future] = set()  # call()s not answered yet (event loop only)
         self._failed_steps = 0
         self._jobs: queue.SimpleQueue[Callable[[], Any]] = queue.SimpleQueue()
-        self._deferred: list[Callable[[], Any]] = []
         self._wake = threading.Event()
         self._stop = False
         self._live: dict = {}  # Req -> (Handle, index)
         self._pieces: dict[int, str] = {}
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+        self._detok = DetokenizerThread(engine, self.pieces,
+                                        metrics.itl if metrics is not None else None)
 
     # -- the HTTP side (event loop thread) ------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self._detok.start(loop)
         self._thread.start()
 
     @property
@@ -83,10 +94,6 @@ class EngineRuntime:
                 result, error = fn(self.engine), None
             except Exception as e:  # noqa: BLE001 - handed to the awaiting request
                 result, error = None, e
-            if result is RETRY:
-                if self.engine.scheduler.has_work:
-                    return RETRY  # slots will free up as running requests finish
-                result, error = None, EngineFailed("not enough free KV slots for this job")
             loop.call_soon_threadsafe(_settle, fut, result, error)
 
         # no await between the alive check and here: either the engine thread is still to
@@ -102,15 +109,24 @@ class EngineRuntime:
 
     async def submit(self, items: list[tuple[Handle, Callable[[Any], tuple]]]) -> None:
         """Queue several prompts at once, all or none. Each ``prepare(engine) -> (prompt ids,
-        SamplingParams)`` runs on the engine thread (it tokenizes). A prompt whose
+        SamplingParams)`` (chat template, tokenizer, checks) runs on a tokenizer thread, never
+        on the engine thread, which only queues the prepared requests. A prompt whose
         max_new_tokens is 0 is only checked (echo / scoring), never run."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
+        if not self.alive:
+            raise EngineFailed(self.failed or "the engine loop is not running")
+
+        def prepare_all():
+            engine = self.engine
+            out = [(handle, *prepare(engine)) for handle, prepare in items]
+            for _, ids, params in out:
+                engine.check_request(ids, params)
+            return out
+
+        prepared = await self.loop.run_in_executor(self._tokenizers, prepare_all)
 
         def add(engine):
-            prepared = [(handle, *prepare(engine)) for handle, prepare in items]
-            for _, ids, params in prepared:
-                engine.check_request(ids, params)
             new = sum(p.n for _, _, p in prepared if p.max_new_tokens > 0)
             waiting = len(engine.scheduler.waiting)
             if self.max_queued is not None and new and waiting + new > self.max_queued:
@@ -118,20 +134,21 @@ class EngineRuntime:
                                 f"{self.max_queued}); retry later")
             for handle, ids, params in prepared:
                 handle.prompt_ids = list(ids)
-                if params.max_new_tokens == 0:
-                    continue
+                if params.max_new_tokens == 0 and handle.prompt_logprobs is None:
+                    continue  # echo alone: nothing to run
                 handle.reqs = engine.add_request(ids, params, rid=handle.rid,
                                                  stream=handle.stream,
-                                                 constraint=handle.constraint)
-                n = len(handle.reqs)
-                handle._sent_text, handle._sent_ids, handle._last = [0] * n, [0] * n, [None] * n
+                                                 constraint=handle.constraint,
+                                                 prompt_logprobs=handle.prompt_logprobs)
+                handle.started(handle.reqs)
                 for i, r in enumerate(handle.reqs):
                     self._live[r] = (handle, i)
 
         await self.call(add)
 
     def pieces(self, ids) -> dict[int, str]:
-        """The text of each token alone (for logprobs); engine thread only."""
+        """The text of each token alone (for logprobs); any thread (a racing decode of the
+        same token writes the same text)."""
         for t in ids:
             if t not in self._pieces:
                 self._pieces[t] = self.engine.tokenizer.decode([t])
@@ -155,6 +172,7 @@ class EngineRuntime:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread -------------------------------------------------------------------------
     def _main(self) -> None:
@@ -166,6 +184,7 @@ class EngineRuntime:
         self._closed = True
         message = self.failed or "the server is shutting down"
         self._fail_all(message, reason="error" if self.failed else "abort")
+        self._detok.close()  # after delivering what is queued
         if self.trace is not None:
             self.trace.close()
         if self.loop is not None and not self.loop.is_closed():
@@ -184,10 +203,6 @@ class EngineRuntime:
                 else:
                     self._failed_steps = 0
                     self._publish(touched)
-                if self._deferred:
-                    jobs, self._deferred = self._deferred, []
-                    for job in jobs:
-                        self._jobs.put(job)
             elif not ran:
                 self._wake.wait(IDLE_WAKE_S)
             if self.metrics is not None:
@@ -244,37 +259,31 @@ class EngineRuntime:
                 return ran
             ran = True
             try:
-                if job() is RETRY:
-                    self._deferred.append(job)
+                job()
             except Exception:  # call() hands its own errors over; this is an abort failing
                 logger.exception("an engine-thread job failed")
 
     def _publish(self, touched) -> None:
+        """Hand what the step produced to the detokenizer thread: per request only its number
+        of output tokens and whether it finished (engine.server.handle.Step); the slices, the
+        text and the inter-token latencies are made there."""
         now, out = time.monotonic(), []
+        live = self._live
+        get = live.get
+        finished = Status.FINISHED
         for r in touched:
-            entry = self._live.get(r)
+            entry = get(r)
             if entry is None:
                 continue
-            handle, i = entry
-            if handle._last[i] is not None and self.metrics is not None:
-                self.metrics.itl.observe(now - handle._last[i])
-            handle._last[i] = now
-            if r.finished:
-                del self._live[r]
+            if r.status is finished:
+                del live[r]
                 if self.trace is not None:
                     self.trace.record(r)
-            if handle.stream:
-                delta = stream_delta(self.engine, handle, i, r)
-            elif r.finished:
-                delta = final_delta(self.engine, i, r)
+                out.append((entry, r, len(r.output_ids), True))
             else:
-                continue
-            if handle.want_pieces:
-                delta.pieces = self.pieces(
-                    [*delta.token_ids, *(t for row in delta.top_logprobs for t, _ in row)])
-            out.append((handle, delta))
+                out.append((entry, r, len(r.output_ids), False))
         if out:
-            self.loop.call_soon_threadsafe(_deliver, out)
+            self._detok.put(out, now)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         out = []
@@ -286,8 +295,8 @@ class EngineRuntime:
             out.append((handle, Delta(i, "", [], finish_reason=reason,
                                       completion_tokens=len(r.output_ids), error=message)))
         self._live.clear()
-        if out and self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(_deliver, out)
+        if out:  # behind the deltas the detokenizer thread has not delivered yet
+            self._detok.put(out)
 
 
     def _fail_pending(self, message: str) -> None:
@@ -304,7 +313,3 @@ def _settle(fut: asyncio.Future, result, error) -> None:
     else:
         fut.set_result(result)
 
-
-def _deliver(batch) -> None:
-    for handle, delta in batch:
-        handle.queue.put_nowait(delta)

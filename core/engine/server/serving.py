@@ -1,5 +1,6 @@
 """What the generation routes share: server state, the model-name check, turning a request into
-engine work (prepared on the engine thread) and engine errors into HTTP errors."""
+engine work (prepared on a tokenizer thread, never the engine thread) and engine errors into
+HTTP errors."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class ServerState:
     settings: ServerSettings
     metrics: object  # ServerMetrics
     created: int = 0
+    templates: object = None  # engine.server.templates.ChatTemplates, made at first use
 
 
 def state(request: Request) -> ServerState:
@@ -72,6 +74,7 @@ def openai_sampling(body, max_new_tokens: int | None, logprobs: bool, top_logpro
 
 
 def prepare_prompt(prompt: str | list[int], sampling: dict):
+    """Runs on a tokenizer thread (EngineRuntime.submit): tokenize, sampling params."""
     def run(engine):
         ids = engine.tokenize(prompt)
         return ids, engine_params(engine, ids, sampling)
