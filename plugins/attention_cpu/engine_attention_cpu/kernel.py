@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch  # loaded first, so the kernel's OpenMP dependency resolves to torch's own runtime
 
+from engine.paths import cache_root
+
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -37,9 +39,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

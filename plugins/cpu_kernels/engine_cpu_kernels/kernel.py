@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch  # loaded first, so the library's OpenMP dependency resolves to torch's own runtime
 
+from engine.paths import cache_root
+
 SOURCE = Path(__file__).with_name("linear_kernels.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
 
@@ -49,9 +51,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engine")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.lru_cache(maxsize=None)
