@@ -17,20 +17,29 @@ from memory as they do in a real step (random weights of the model's shapes). Pa
   too on an AVX-512 CPU (what ENGINE_CPU_ISA=avx2 runs): ``avx512_bf16`` (vdpbf16ps) and
   ``avx512_bf16_fma`` / ``avx2_bf16`` (widened + FMA) on bfloat16 activations, as a
   ``--dtype bfloat16`` model runs them; ``avx512_fp16`` / ``avx2_fp16`` on float32 activations
-  (``--dtype float16``); ``avx512_q8_0`` (vpdpbusd) / ``avx2_q8_0`` on GGUF Q8_0 blocks.
+  (``--dtype float16``); ``avx512_q8_0`` (vpdpbusd) / ``avx2_q8_0`` on GGUF Q8_0 blocks;
+  ``avx512_q4_1`` / ``avx2_q4_1`` and ``avx512_q4_0`` / ``avx2_q4_0`` on GGUF Q4_1 / Q4_0
+  blocks (every linear, LM head included, quantized as llama.cpp quantizes), all of these with
+  int8 activations per block; ``avx512_q4_1_f32`` ... ``avx2_q8_0_f32``: the same blocks,
+  weight-only (float32 activations, the blocks dequantized in registers: the engine's default);
+- ``gguf avx512`` / ``gguf avx2`` (int8 activations) and ``gguf f32 avx512`` / ``gguf f32 avx2``
+  (weight-only): the default GGUF file's mix as its blocks are, packed from GGUF bytes
+  (``CPUGemm.pack_blocks``): Q4_1 decoder linears, the Q8_0 tied LM head.
 
 Prints, per path and M, milliseconds per step (each linear's best of --reps steps, summed),
 GFLOP/s, the fraction of the machine's arithmetic peak for the instruction the path is built on
 (measured first: 12 independent chains of that instruction per thread, on --threads threads,
-the best of many short runs on one core, times the threads), the weight bytes streamed per
+the best of many short runs on one core, times the threads; the int8 block kernels: vpdpbusd,
+or vpmaddubsw on AVX2, counting 2 operations per byte multiplied), the weight bytes streamed per
 second and their fraction of the machine's memory bandwidth (a 256 MiB torch copy, read + write
 bytes per second, and a 256 MiB torch sum, reads only; the best of several), and the speed-up
-over ``F.linear``. On a machine shared with other work (2 cores,
+over ``F.linear``; ``--per-shape`` adds each linear shape's share (ms per step, weight GB/s) for
+the plugin's paths. On a machine shared with other work (2 cores,
 other processes' tests), every figure is a best of several runs and still noisy: rerun and
 take the best.
 
     python benchmarks/linear_kernels.py [--model default] [--batch-sizes 1,16,64,512] [--no-head]
-        [--paths avx512_bf16,avx2_bf16,...]
+        [--paths avx512_bf16,avx2_bf16,...] [--per-shape]
 """
 
 from __future__ import annotations
@@ -132,6 +141,7 @@ def build_paths(c, with_int8: bool, plugin_paths: list[str] | None, fp32_peak: s
                                   F.linear, torch.bfloat16, peak="avx512 vdpbf16ps",
                                   weight_bytes=(2 * n_layers, 2 * n_head))
     if plugin_paths is not None:
+        from engine_cpu_kernels import ops
         from engine_cpu_kernels.ops import KERNELS
 
         for k in KERNELS:
@@ -145,11 +155,33 @@ def build_paths(c, with_int8: bool, plugin_paths: list[str] | None, fp32_peak: s
             k_head = k.pack(head)
             x_dtype = torch.bfloat16 if k.weight_dtype == "bfloat16" else torch.float32
             peak = {"avx512_bf16": "avx512 vdpbf16ps", "avx512_q8_0": "avx512 vpdpbusd (int8)",
-                    "avx2_q8_0": fp32_peak}.get(k.name, fp32_peak)
+                    "avx512_q4_0": "avx512 vpdpbusd (int8)",
+                    "avx512_q4_1": "avx512 vpdpbusd (int8)"}.get(k.name, fp32_peak)
             if k.name.startswith("avx2"):
-                peak = "avx2 FMA (fp32)"
+                peak = "avx2 vpmaddubsw (int8)" if k.weight_dtype in ("q8_0", "q4_0", "q4_1") \
+                    and not k.weight_only else "avx2 FMA (fp32)"
             paths[k.name] = Path(packed, k_head, k.linear, x_dtype, peak,
                                  (sum(p.nbytes for p, _ in packed), k_head.nbytes))
+        by_name = {k.name: k for k in KERNELS}
+        # the default GGUF's mix, from its blocks' bytes: int8 activations ("gguf avx512") and
+        # weight-only, float32 activations ("gguf f32 avx512", the engine's default)
+        for isa, mode in (("avx512", ""), ("avx512", "_f32"), ("avx2", ""), ("avx2", "_f32")):
+            name = f"gguf{' f32' if mode else ''} {isa}"
+            if plugin_paths and name not in plugin_paths:
+                continue
+            layer_k, head_k = by_name[f"{isa}_q4_1{mode}"], by_name[f"{isa}_q8_0{mode}"]
+            reason = layer_k.unavailable_reason() or head_k.unavailable_reason()
+            if reason:
+                print(f"({name}: {reason})")
+                continue
+            packed = [(layer_k.pack_blocks(ops.quantize_gguf(w, "q4_1"), "q4_1", *w.shape),
+                       w.shape[1]) for w in weights]
+            k_head = head_k.pack_blocks(ops.quantize_gguf(head, "q8_0"), "q8_0", *head.shape)
+            peak = f"{isa} {'vpdpbusd' if isa == 'avx512' else 'vpmaddubsw'} (int8)"
+            if mode:
+                peak = f"{isa} FMA (fp32)"
+            paths[name] = Path(packed, k_head, layer_k.linear, torch.float32, peak,
+                               (sum(p.nbytes for p, _ in packed), k_head.nbytes))
     return paths
 
 
@@ -184,7 +216,7 @@ def best_ms(paths: dict[str, Path], m: int, hidden: int, reps: int, head: bool) 
         for name, once in runs.items():
             times = once()
             best[name] = [min(a, b) for a, b in zip(best.get(name, times), times)]
-    return {name: sum(t) * 1e3 for name, t in best.items()}
+    return {name: sum(t) * 1e3 for name, t in best.items()}, best
 
 
 def copy_bandwidth(reps: int = 20) -> float:
@@ -228,6 +260,25 @@ def measure_peaks(threads: int) -> dict[str, float]:
         return {}
 
 
+def print_per_shape(paths: dict[str, Path], per_linear: dict[str, list[float]], m: int,
+                    head: bool) -> None:
+    """Each linear shape's share of the step for the plugin's paths: ms per step (all layers),
+    GFLOP/s and the weight bytes read per second."""
+    for name, path in paths.items():
+        if not hasattr(path.head, "fmt"):  # not one of the plugin's (Packed) paths
+            continue
+        shares: dict[tuple[int, int], list[float]] = {}
+        calls = list(path.layers) + ([(path.head, path.head.k)] if head else [])
+        for (p, _), t in zip(calls, per_linear[name]):
+            s = shares.setdefault((p.n, p.k), [0.0, 0.0, 0.0])
+            s[0] += t
+            s[1] += 2 * m * p.n * p.k
+            s[2] += p.nbytes
+        print("      " + name + ": " + ", ".join(
+            f"{n}x{k} {t * 1e3:.3f} ms {fl / t / 1e9:.0f} GFLOP/s {b / t / 1e9:.1f} GB/s"
+            for (n, k), (t, fl, b) in shares.items()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT,
@@ -241,6 +292,8 @@ def main():
     ap.add_argument("--no-head", action="store_true",
                     help="the decoder layers only, as a prompt chunk runs them (its LM head "
                          "runs for the last token alone)")
+    ap.add_argument("--per-shape", action="store_true",
+                    help="each linear shape's share of the step (the plugin's paths)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     c = model_config(resolve(args.model, lambda: None))
@@ -282,7 +335,7 @@ def main():
     for m in [int(b) for b in args.batch_sizes.split(",")]:
         base = None
         reps = args.reps if m < 256 else max(2, args.reps // 3)
-        times = best_ms(paths, m, c.hidden_size, reps, not args.no_head)
+        times, per_linear = best_ms(paths, m, c.hidden_size, reps, not args.no_head)
         for name, path in paths.items():
             ms = times[name]
             base = base or ms
@@ -294,6 +347,8 @@ def main():
                   f"{(f'{100 * gflops / peak:6.0f}%') if peak else '      -':>7} "
                   f"{gbs:13.1f} {100 * gbs / bandwidth:5.0f}% {100 * gbs / read_bw:5.0f}% "
                   f"{base / ms:10.2f}x", flush=True)
+        if args.per_shape:
+            print_per_shape(paths, per_linear, m, not args.no_head)
 
 
 if __name__ == "__main__":

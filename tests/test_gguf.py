@@ -148,6 +148,8 @@ def test_conversion_is_cached_and_the_cache_reads_back_the_same(tiny_model_facto
                                                                  cpu_device, tmp_path,
                                                                  monkeypatch):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    # the dequantized weights (the blocks' own cache: test_block_weights.py)
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "torch")
     path = write_gguf(tiny_model_factory("llama"), str(tmp_path / "m.gguf"), "Q4_0")
     first = runner_for(path, registries, cpu_device)
     assert "dequantized to float32" in first.checkpoint.notes[0]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host import long_tensor
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # every request brings prompt tokens (maybe after a cached prefix)
@@ -51,10 +53,7 @@ class ForwardBatch:
         builds this every step, for every running request."""
         b = len(input_ids)
         assert b > 0, "every request in a batch brings at least one token"
-        host = torch.tensor([input_ids, prefix_lens, req_pool_indices, prefix_lens],
-                            dtype=torch.int64)
-        if torch.device(device) != host.device:
-            host = host.to(device)
+        host = long_tensor([input_ids, prefix_lens, req_pool_indices, prefix_lens], device)
         ids_t, positions_t, rows_t, prefix_t = host.unbind(0)
         return cls(
             mode=ForwardMode.DECODE, input_ids=ids_t, positions=positions_t,
@@ -81,10 +80,10 @@ class ForwardBatch:
             mode = ForwardMode.MIXED
         flat = [t for ids in input_ids for t in ids]
         positions = [p + i for p, e in zip(prefix_lens, extend) for i in range(e)]
-        ends = torch.tensor(extend, dtype=torch.int64).cumsum(0) - 1
+        ends = long_tensor(extend).cumsum(0) - 1
 
         def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
+            return long_tensor(x, device)
 
         positions_t, rows_t, extend_t = t(positions), t(req_pool_indices), t(extend)
         if out_cache_loc is None:

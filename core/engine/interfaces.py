@@ -180,6 +180,13 @@ class LinearKernel(ABC):
         """Bytes the packed weight holds (the weight memory the engine reports)."""
         return 0
 
+    def pack_blocks(self, raw: torch.Tensor, fmt: str, n: int, k: int) -> Any:
+        """A kernel registered for a block ``weight_dtype`` ("q4_0", "q4_1", "q8_0": GGUF's
+        blocks of 32) packs a checkpoint's blocks as they are: ``raw`` is uint8 [n, bytes per
+        row] in the file's layout, the weight [n, k]. Optional (a kernel for float weights
+        has none)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no {fmt} blocks")
+
 
 class ParallelStrategy(ABC):
     """How the ranks of ``--tp-size`` x ``--pp-size`` talk: a torch.distributed backend for

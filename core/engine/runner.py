@@ -12,6 +12,7 @@ from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
 from engine.layers.linear import prepack_linears
 from engine.memory.kv_pool import KVPool
+from engine.models.block_weights import block_reason, pack_block_linears
 from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import cpu_half_weights, resolve_dtype
@@ -53,8 +54,9 @@ class ModelRunner:
         # a plugin's kernel for float16/bfloat16 weights where one runs on this CPU), F.linear
         # elsewhere: the log line says which (a compiled graph calls the packed linears
         # as opaque ops, see compile.py)
-        self.linear_kernel = prepack_linears(self.model, device.torch_device, self.dtype,
-                                             half_weights, registries)
+        self.linear_kernel = self._pack_linears(ckpt, registries, half_weights,
+                                                parallel=tp is not None,
+                                                quantized=quant_method is not None)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 
@@ -71,6 +73,22 @@ class ModelRunner:
         self.backend = None
         self.cuda_graphs = None  # a CudaGraphRunner once init_cuda_graphs() captured them
         self.last_cuda_graph = False  # whether the latest forward replayed a graph
+
+    def _pack_linears(self, ckpt, registries, half_weights: bool, parallel: bool,
+                      quantized: bool) -> str:
+        """Pack the linears for the kernels that run them here (a GGUF's Q4_1/Q8_0 blocks as
+        they are where a kernel for them runs, see block_weights.py; the others by
+        prepack_linears); returns the log line."""
+        device = self.device.torch_device
+        parts = []
+        if block_reason(ckpt, device, self.dtype, half_weights, parallel, quantized) is None:
+            parts = pack_block_linears(self.model, ckpt, registries)
+        rest = prepack_linears(self.model, device, self.dtype, half_weights, registries)
+        if not parts:
+            return rest
+        if rest:
+            parts.append(rest.removeprefix("linear layers: "))
+        return "linear layers: " + "; ".join(parts)
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:

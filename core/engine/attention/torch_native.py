@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
+from engine.host import long_tensor
 from engine.interfaces import AttentionBackend, BackendContext
 
 
@@ -64,7 +65,7 @@ class TorchNativeBackend(AttentionBackend):
         seq = [batch.prefix_lens_list[i] + batch.extend_lens_list[i] for i in idx]
         B, E, L = len(idx), max(ext), max(seq)
         whole = B == batch.batch_size and min(ext) == E  # q is already [B, E] in order
-        sel = torch.tensor(idx, dtype=torch.int64, device=dev)
+        sel = long_tensor(idx, dev)
         ext_t = batch.extend_lens[sel]
         seq_t = batch.seq_lens[sel]
         kpos = torch.arange(L, device=dev)

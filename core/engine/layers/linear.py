@@ -85,13 +85,18 @@ class PrepackedWeight:
     packed_id = -1  # index in PACKED, how the compiled graph's custom op finds the weight
     opaque_bytes = 0  # bytes of a packed weight that is no tensor (fbgemm's), for weight_bytes
 
-    def prepack(self, kind: str = "onednn", keep_plain: bool = False, kernel=None) -> None:
+    def prepack(self, kind: str = "onednn", keep_plain: bool = False, kernel=None,
+                blocks: tuple[str, torch.Tensor] | None = None) -> None:
+        """``blocks``: (format, raw bytes [out, bytes per row]) the checkpoint stores this
+        weight in (a GGUF's Q4_1, ...), which a "plugin" kernel packs as they are
+        (``pack_blocks``) instead of packing the float weight."""
         weight = self.weight.detach()
         self.out_features = weight.shape[0]
         self.packed_id = len(PACKED)
         PACKED.append(weakref.ref(self))
         if kind == "plugin":  # the kernel's own object: an attribute, like fbgemm's
-            self.packed_weight = kernel.pack(weight)
+            self.packed_weight = kernel.pack(weight) if blocks is None else \
+                kernel.pack_blocks(blocks[1], blocks[0], weight.shape[0], weight.shape[1])
             self.kernel = kernel
             self.opaque_bytes = kernel.packed_bytes(self.packed_weight)
             if not keep_plain:
@@ -184,6 +189,8 @@ def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
     fbgemm with ``half_weights`` (``--dtype float16`` on a CPU; the caller checked
     ``half_weight_reason``), else float32 for oneDNN where it runs. Returns the log line that
     says which kernel the linear layers use."""
+    if not any(isinstance(m, PrepackedWeight) and not m.packed for m in model.modules()):
+        return ""  # all packed already (as their checkpoint's blocks: see block_weights.py)
     entry = plugin_kernel(registries, device, dtype, half_weights)
     if entry is not None:
         n = 0

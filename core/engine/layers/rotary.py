@@ -54,14 +54,21 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.stack([freqs.cos(), freqs.sin()]).to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(cos, sin), each [T, head_dim // 2], computed in float32 and cast to ``dtype`` (the
-        rotation then runs in the activations' dtype, as in the HF reference)."""
-        cs = self.cos_sin[:, positions].to(dtype)
+        """(cos, sin), each [T, 1, head_dim] for ``apply_rotary``: the half-width values
+        twice, sin's first half negated; computed in float32 and cast to ``dtype`` (the
+        rotation then runs in the activations' dtype, as in the HF reference). Once per
+        forward, for every layer."""
+        cs = self.cos_sin[:, positions]
+        sign = torch.ones(2, 1, cs.shape[-1] * 2)
+        sign[1, :, : cs.shape[-1]] = -1
+        cs = (torch.cat((cs, cs), -1) * sign).to(dtype).unsqueeze(2)
         return cs[0], cs[1]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2] in x's dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """x: [T, heads, head_dim] (q, k, or both side by side: one call rotates them all);
+    cos, sin: [T, 1, head_dim] from RotaryEmbedding, in x's dtype. HF's ``x * cos +
+    rotate_half(x) * sin`` bit for bit (rotate_half(x) * sin = (x2, x1) * (-sin, sin)), in
+    four ops where the half-width form took ten."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

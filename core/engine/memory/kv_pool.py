@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from engine.host import long_tensor
 from engine.interfaces import KVDtype
 
 
@@ -108,7 +109,8 @@ class KVPool:
         return pages
 
     def free_pages(self, pages) -> None:
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        pages = (pages.to("cpu", torch.int64) if isinstance(pages, torch.Tensor) else
+                 long_tensor(pages)).reshape(-1)
         n = pages.numel()
         if n == 0:
             return
@@ -161,11 +163,11 @@ class KVPool:
         so a journal (``row_edits``: (rows, positions, slots) on the host) can mirror it on
         other ranks."""
         table = self.req_to_token
-        table[torch.tensor(rows, device=table.device),
-              torch.tensor(positions, device=table.device)] = slots.to(table.device, table.dtype)
+        rows_t, positions_t = long_tensor(rows), long_tensor(positions)
+        table[rows_t.to(table.device), positions_t.to(table.device)] = \
+            slots.to(table.device, table.dtype)
         if self.row_edits is not None:
-            self.row_edits.append((torch.tensor(rows), torch.tensor(positions),
-                                   slots.to("cpu", torch.int32)))
+            self.row_edits.append((rows_t, positions_t, slots.to("cpu", torch.int32)))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``slots`` (which must cover whole pages or a sequence tail)."""

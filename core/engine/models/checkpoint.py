@@ -54,6 +54,11 @@ class Checkpoint:
     def label(self, name: str) -> str:
         return f"'{name}'"
 
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A weight kept in a quantized block format a linear kernel may run as it is (a
+        GGUF's Q4_1, ...): (format, raw bytes [rows, bytes per row]); None: only ``tensors``."""
+        return None
+
     def load_tokenizer(self):
         raise NotImplementedError
 
@@ -188,6 +193,7 @@ class GGUFCheckpoint(Checkpoint):
         self.path = path
         self.config_source = f"the metadata of {path}"
         self._file = None
+        self._blocks: dict | None = None  # blocks(): read once (cache or file)
         root = cache_root() / "gguf" / GGUF_CACHE_VERSION
         stem = os.path.basename(path).removesuffix(".gguf")
         try:
@@ -227,6 +233,46 @@ class GGUFCheckpoint(Checkpoint):
 
     def label(self, name: str) -> str:
         return self.file.label(name)
+
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """``name``'s weight in its GGUF block format ("q4_1", ...) as raw bytes [rows, bytes
+        per row], or None when the file stores it otherwise (see GGUFFile.blocks). All of
+        them are cached beside the dequantized weights (``blocks.safetensors``, uint8, q/k
+        rows unpermuted), so a cached start does not parse the GGUF (seconds)."""
+        if self._blocks is None:
+            self._blocks = self._load_blocks()
+        return self._blocks.get(name)
+
+    def _load_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
+        path = self.cache_dir / "blocks.safetensors"
+        if path.is_file():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    formats = f.metadata() or {}
+                    return {n: (formats[n], f.get_tensor(n)) for n in f.keys()}
+            except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt, not trusted
+                logger.warning(f"the GGUF block cache {path} could not be read ({e}); "
+                               f"reading the blocks from the GGUF again")
+        found = {n: self.file.blocks(n, self.hf_config) for n in self.file.block_names()}
+        found = {n: b for n, b in found.items() if b is not None}
+
+        def write():
+            from safetensors.torch import save_file
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=path.parent)
+            os.close(fd)
+            try:
+                save_file({n: raw for n, (_, raw) in found.items()}, tmp,
+                          metadata={n: fmt for n, (fmt, _) in found.items()})
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        if found:
+            self._try_cache("blocks", write)
+        return found
 
     # weights ---------------------------------------------------------------------------------
     def _weights_dir(self, dtype: torch.dtype) -> Path:

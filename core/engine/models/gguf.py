@@ -30,6 +30,8 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# GGUF block types a registered linear kernel may run as they are (weight_dtype names)
+BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency rope factors: config, not a weight
 TOKENIZER_KEY = "tokenizer.ggml.model"
 MISSING = object()
@@ -281,6 +283,37 @@ class GGUFFile:
         arr = arr.reshape(shape)
         return arr if arr.flags.writeable and arr.dtype == np.float32 else \
             np.array(arr, dtype=np.float32)
+
+    def blocks(self, name: str, hf: dict) -> tuple[str, torch.Tensor] | None:
+        """The 2-D weight our loader knows as ``name`` as the file stores it, when that is a
+        block format a linear kernel may run as it is (BLOCK_FORMATS): (format, uint8 tensor
+        [rows, bytes per row]), q/k rows unpermuted as ``tensors`` does (a block holds 32
+        weights of one row, so moving rows moves whole blocks); None for another type."""
+        info = self._infos_by_hf_name().get(name)
+        if info is None or len(info.shape) != 2:
+            return None
+        fmt = BLOCK_FORMATS.get(info.tensor_type.name)
+        if fmt is None:
+            return None
+        rows = int(info.shape[1])
+        raw = torch.from_numpy(np.array(info.data, dtype=np.uint8).reshape(rows, -1))
+        if self.arch in PERMUTED_ARCHS:
+            heads = {"self_attn.q_proj": hf["num_attention_heads"],
+                     "self_attn.k_proj": hf["num_key_value_heads"]}
+            proj = name.rpartition(".")[0].split(".", 3)[-1]
+            if proj in heads:
+                raw = unpermute_rows(raw, heads[proj]).contiguous()
+        return fmt, raw
+
+    def block_names(self) -> list[str]:
+        """Our names of the 2-D weights stored in a BLOCK_FORMATS type."""
+        return [n for n, t in self._infos_by_hf_name().items()
+                if len(t.shape) == 2 and t.tensor_type.name in BLOCK_FORMATS]
+
+    def _infos_by_hf_name(self) -> dict:
+        if not hasattr(self, "_by_hf"):
+            self._by_hf = {hf_name(n): t for n, t in self.tensor_infos.items() if hf_name(n)}
+        return self._by_hf
 
     def label(self, name: str) -> str:
         """How an error names the tensor our loader knows as ``name``."""

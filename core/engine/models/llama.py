@@ -56,14 +56,16 @@ class SelfAttention(nn.Module):
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, c.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj.forward_split(x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(qkv[:, : H * D].view(T, H, D))
+            k = self.k_norm(qkv[:, H * D: (H + KVH) * D].view(T, KVH, D))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # q and k side by side in qkv: one rotation for both
+            qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 

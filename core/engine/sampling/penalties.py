@@ -1,21 +1,13 @@
 from __future__ import annotations
 
-from array import array
-
 import torch
+
+from engine.host import long_tensor
 
 # Penalties touch only tokens a row has seen, so they work on flat positions row * V + token
 # instead of dense [B, V] tensors: the cost follows the number of tokens, not the vocab size.
 # HF's repetition rule divides a positive logit by the penalty and multiplies a negative one;
 # OpenAI's frequency/presence rule subtracts count * f + (count > 0) * p.
-
-
-def long_tensor(values: list[int], device="cpu") -> torch.Tensor:
-    """int64 tensor of a list of ints on ``device`` (through a buffer: several times faster
-    than torch.tensor's per-element conversion)."""
-    if not values:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(array("q", values), dtype=torch.long).to(device)
 
 
 class SeenTokens:

@@ -6,7 +6,8 @@ import torch
 
 from engine.grammar.bitmask import apply_token_bitmask
 from engine.sampling.params import SamplingParams
-from engine.sampling.penalties import PenaltyTable, SeenTokens, long_tensor
+from engine.host import float_tensor, long_tensor
+from engine.sampling.penalties import PenaltyTable, SeenTokens
 from engine.sampling.seeds import counter_uniform, sample_inverse_cdf, seed_key
 
 # columns of SamplingBatch.floats [B, 6] float32 and SamplingBatch.ints [B, 4] int64
@@ -146,9 +147,9 @@ class SamplingBatch:
                                            [floats[k][PRESENCE] for k in penalized], device)
         batch = cls(
             vocab_size=V,
-            floats=torch.tensor(floats, dtype=torch.float32).view(n, 6).to(device),
-            ints=torch.tensor(ints, dtype=torch.long).view(n, 4).to(device),
-            greedy=torch.tensor([info.greedy for info in infos], dtype=torch.bool).to(device),
+            floats=float_tensor(floats, device).view(n, 6),
+            ints=long_tensor(ints, device).view(n, 4),
+            greedy=long_tensor([info.greedy for info in infos], device).view(n).bool(),
             infos=infos,
             lengths=[len(out) for out in output_ids],
             penalties=penalties,

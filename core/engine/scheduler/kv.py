@@ -127,20 +127,19 @@ class KVManager:
     def grow_decodes(self, reqs: list[Req]) -> None:
         """One more slot for each of ``reqs`` (each decodes one token), allocated and recorded
         in one go; the caller has made ``decode_slots_needed(reqs)`` free."""
-        grown, rows, positions = [], [], []  # one pass over the requests
+        rows, positions = [], []  # one pass over the requests, counting the slot in
         for r in reqs:
             a = r.alloc_len
             if a == r.kv_len:
-                grown.append(r)
+                r.alloc_len = a + 1
                 rows.append(r.row)
                 positions.append(a)
-        if not grown:
+        if not rows:
             return
-        reqs = grown
         table, page = self.pool.req_to_token, self.page
         assert max(positions) < table.shape[1], "sequence longer than max_context_len"
         if page == 1:  # every decode takes a new page of one slot
-            slots = self.pool.alloc_pages(len(reqs))
+            slots = self.pool.alloc_pages(len(rows))
             assert slots is not None, "no room made for the decodes"
         else:  # a new page where the last one is full, else the last page's next slot
             full = [p % page == 0 for p in positions]  # rows whose last page is full
@@ -151,8 +150,6 @@ class KVManager:
             slots = table[torch.tensor(rows, device=table.device), (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
         self.pool.write_slots(rows, positions, slots)
-        for r in reqs:
-            r.alloc_len += 1
 
     def computed(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> None:
         """The forward wrote K/V for one token of each decode and ``n`` of each prompt chunk;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 
 from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, SamplingState, token_stop_reason
@@ -16,6 +17,8 @@ from engine.scheduler.prompt_logprobs import all_logits_needed, chunk_cap, recor
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
 from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
+
+_OUTPUT_IDS, _FINISHED = attrgetter("output_ids"), attrgetter("finished")  # counted per step
 
 
 class Scheduler:
@@ -104,9 +107,9 @@ class Scheduler:
         stats = StepStats(self.step_no, mode, len(self.running), len(self.waiting),
                           self.num_used_tokens, self.kv.pool.size, prefill.new_seqs,
                           prefill.tokens, prefill.cached,
-                          generated_tokens=sum(1 for r in touched if r.output_ids),
+                          generated_tokens=sum(map(bool, map(_OUTPUT_IDS, touched))),
                           retracted_reqs=retracted,
-                          finished_reqs=sum(1 for r in touched if r.finished),
+                          finished_reqs=sum(map(_FINISHED, touched)),
                           cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters,
                           max_running_requests=self.sizing.max_running_requests,
                           extra_info=self.extra_info)
@@ -275,12 +278,14 @@ class Scheduler:
         """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks."""
         table = self.kv.pool.req_to_token
         if not chunks:  # a decode step: one token each, the last of its sequence
-            if decode_ids is None:
-                ids = [(r.output_ids or r.prompt_ids)[-1] for r in decodes]
-            else:
+            ids, lens, rows = [], [], []  # one pass over the requests
+            for r in decodes:
+                ids.append((r.output_ids or r.prompt_ids)[-1])
+                lens.append(r.kv_len)
+                rows.append(r.row)
+            if decode_ids is not None:
                 ids = [x[0] for x in decode_ids]
-            return ForwardBatch.decode(ids, [r.kv_len for r in decodes],
-                                       [r.row for r in decodes], table, device=table.device)
+            return ForwardBatch.decode(ids, lens, rows, table, device=table.device)
         reqs = decodes + [r for r, _ in chunks]
         if decode_ids is None:
             decode_ids = [r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]

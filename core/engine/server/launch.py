@@ -72,12 +72,27 @@ def build_server(engine, settings: ServerSettings, log_level: str = "info") -> G
 
 
 def serve(engine, settings: ServerSettings, log_level: str = "info") -> None:
-    """Serve ``engine`` over HTTP until a signal stops it."""
+    """Serve ``engine`` over HTTP until a signal stops it. The engine loop runs on this thread
+    (the one that loaded the model: see EngineRuntime.use_caller_thread), uvicorn's event loop
+    on another; SIGTERM / SIGINT reach this thread and start uvicorn's graceful stop."""
     server = build_server(engine, settings, log_level)
+    runtime = server.runtime
     logger.info(f"serving '{settings.served_model_name}' on http://{settings.host}:"
                 f"{settings.port}")
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        runtime.use_caller_thread()
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if main else {}
     try:
-        server.run()
+        http.start()
+        if main:
+            runtime.run_here(stop_when=lambda: not http.is_alive())
+        while http.is_alive():
+            http.join(0.2)  # (a bare join would hold off the signal handlers)
     finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
         engine.close()  # the tp/pp workers, if any
     logger.info("server stopped")

@@ -8,6 +8,7 @@ tokens (prompt chunks) are compute-bound and go through torch_native's SDPA grou
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention.torch_native import TorchNativeBackend, bucket_prompts, split_rows
@@ -21,8 +22,11 @@ class CPUBackend(TorchNativeBackend):
         single, multi = split_rows(batch)
         self.groups = [self.make_group(batch, idx) for idx in bucket_prompts(batch, multi)]
         self.decode = None
-        if single:
-            sel = torch.tensor(single, dtype=torch.int64)
+        if len(single) == batch.batch_size:  # a decode step: every row, in order
+            self.decode = (batch.logits_indices.contiguous(),
+                           batch.req_pool_indices.contiguous(), batch.seq_lens.contiguous())
+        elif single:
+            sel = torch.from_numpy(np.array(single, dtype=np.int64))
             # (the row's one token in the batch, its req_to_token row, its length)
             self.decode = (batch.logits_indices[sel].contiguous(),
                            batch.req_pool_indices[sel].contiguous(),

@@ -27,7 +27,11 @@ SOURCE = Path(__file__).with_name("linear_kernels.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
 
 # formats, instruction sets, dtypes and status codes of linear_kernels.c
-FMT_F16, FMT_BF16, FMT_BF16_PAIRS, FMT_Q8_0 = 0, 1, 2, 3
+FMT_F16, FMT_BF16, FMT_BF16_PAIRS, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = 0, 1, 2, 3, 4, 5
+# weight-only modes of the block formats for ek_linear: the same packed bytes (FMT_Q8_0 /
+# FMT_Q4_0 / FMT_Q4_1), float32 activations, weights dequantized in registers
+FMT_Q8_0_F32, FMT_Q4_0_F32, FMT_Q4_1_F32 = 6, 7, 8
+WEIGHT_ONLY = {FMT_Q8_0: FMT_Q8_0_F32, FMT_Q4_0: FMT_Q4_0_F32, FMT_Q4_1: FMT_Q4_1_F32}
 ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 DT_F32, DT_BF16 = 0, 1
 FEAT_AVX2, FEAT_AVX512, FEAT_AVX512_BF16, FEAT_AVX512_VNNI = 1, 2, 4, 8
@@ -83,6 +87,7 @@ def load() -> ctypes.CDLL:
     lib.ek_packed_bytes.argtypes, lib.ek_packed_bytes.restype = [INT, I64, I64], I64
     lib.ek_pack_half.argtypes, lib.ek_pack_half.restype = [INT, P, I64, I64, P, INT], INT
     lib.ek_pack_q8_0.argtypes, lib.ek_pack_q8_0.restype = [P, P, I64, I64, P, INT], INT
+    lib.ek_pack_gguf_q4.argtypes, lib.ek_pack_gguf_q4.restype = [INT, P, I64, I64, P, INT], INT
     lib.ek_unpack.argtypes, lib.ek_unpack.restype = [INT, P, I64, I64, P], INT
     lib.ek_linear.argtypes = [INT, INT, P, INT, I64, I64, I64, P, I64, P, P, INT, I64, INT]
     lib.ek_linear.restype = INT
@@ -112,7 +117,7 @@ def check_status(status: int, what: str) -> None:
 
 
 PEAK_KINDS = {"avx2 FMA (fp32)": 0, "avx512 FMA (fp32)": 1, "avx512 vdpbf16ps": 2,
-              "avx512 vpdpbusd (int8)": 3}
+              "avx512 vpdpbusd (int8)": 3, "avx2 vpmaddubsw (int8)": 4}
 
 
 def peak(kind: str, threads: int, seconds: float = 0.2, reps: int = 5) -> float | None:

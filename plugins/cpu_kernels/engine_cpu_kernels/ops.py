@@ -1,7 +1,12 @@
 """The GEMM kernels as Python objects: pack a weight once, then run ``y = x @ W.T + bias``.
 
 One :class:`CPUGemm` is one (weight format, instruction set) pair of ``linear_kernels.c``;
-:data:`KERNELS` lists those the plugin registers, best first per weight dtype."""
+:data:`KERNELS` lists those the plugin registers, best first per weight dtype. GGUF tensors
+(Q4_0, Q4_1, Q8_0) are packed from the file's bytes as they are by :func:`pack_gguf_blocks`
+(``CPUGemm.pack_blocks``): no requantization. Their kernels come in two modes sharing that
+packing: weight-only (``weight_only=True``: float32 activations, the blocks dequantized in
+registers; the result is float32 ``x @ W.T`` within float rounding; the default) and int8
+activations per block (llama.cpp's arithmetic; faster from 16 rows, about 0.5% error)."""
 
 from __future__ import annotations
 
@@ -14,12 +19,15 @@ from engine.interfaces import LinearKernel
 from engine_cpu_kernels import kernel as K_
 from engine_cpu_kernels.kernel import (DT_BF16, DT_F32, FEAT_AVX2, FEAT_AVX512,
                                        FEAT_AVX512_BF16, FEAT_AVX512_VNNI, FMT_BF16,
-                                       FMT_BF16_PAIRS, FMT_F16, FMT_Q8_0, ISA_AVX2, ISA_AVX512,
+                                       FMT_BF16_PAIRS, FMT_F16, FMT_Q4_0, FMT_Q4_1, FMT_Q8_0,
+                                       ISA_AVX2, ISA_AVX512, WEIGHT_ONLY,
                                        ISA_SCALAR, KernelUnavailable, check_status)
 
 QK = 32  # weights per block of the block formats
 FORMAT_NAMES = {FMT_F16: "float16", FMT_BF16: "bfloat16", FMT_BF16_PAIRS: "bfloat16 pairs",
-                FMT_Q8_0: "q8_0"}
+                FMT_Q8_0: "q8_0", FMT_Q4_0: "q4_0", FMT_Q4_1: "q4_1"}
+# GGUF block types the kernels run as they are: (format, bytes per block of 32 weights)
+GGUF_BLOCKS = {"q4_0": (FMT_Q4_0, 18), "q4_1": (FMT_Q4_1, 20), "q8_0": (FMT_Q8_0, 34)}
 ISA_LABEL = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 X_DTYPES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16}
 
@@ -56,8 +64,71 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k).contiguous(), d.to(torch.float16).contiguous()
 
 
+def _blocks(weight: torch.Tensor, what: str) -> torch.Tensor:
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"{what} needs in_features to be a multiple of {QK}, got {k}")
+    return weight.detach().float().reshape(n, k // QK, QK)
+
+
+def _gguf_bytes(*fields: torch.Tensor) -> torch.Tensor:
+    """[n, nb] float16 fields and [n, nb, 16] nibble bytes -> the GGUF rows [n, nb * size]."""
+    parts = [f.to(torch.float16).unsqueeze(-1).view(torch.uint8) if f.dim() == 2 else f
+             for f in fields]
+    cat = torch.cat(parts, -1)
+    return cat.reshape(cat.shape[0], -1).contiguous()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[n, nb, 32] values 0..15 -> GGUF qs [n, nb, 16]: weight j low, weight j + 16 high."""
+    q = q.to(torch.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def quantize_q4_0(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 bytes [N, K / 32 * 18] as llama.cpp's quantize_row_q4_0_ref (and gguf-py)
+    make them: per block, d = w[argmax |w|] / -8, q = min(15, trunc(w / d + 8.5))."""
+    w = _blocks(weight, "Q4_0")
+    mx = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d = mx / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = (w * inv[..., None] + 8.5).trunc().clamp(0, 15)
+    return _gguf_bytes(d, _nibbles(q))
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 bytes [N, K / 32 * 20] as llama.cpp's quantize_row_q4_1_ref (and gguf-py)
+    make them: per block, m = min w, d = (max w - m) / 15, q = min(15, trunc((w - m) / d + .5))."""
+    w = _blocks(weight, "Q4_1")
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = ((w - lo[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 15)
+    return _gguf_bytes(d, lo, _nibbles(q))
+
+
+def quantize_gguf(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``weight`` [N, K] as a GGUF tensor of ``qtype`` ("q4_0", "q4_1", "q8_0") would hold it:
+    the file's bytes, uint8 [N, K / 32 * block bytes] (llama.cpp's reference quantizers)."""
+    if qtype == "q4_0":
+        return quantize_q4_0(weight)
+    if qtype == "q4_1":
+        return quantize_q4_1(weight)
+    if qtype == "q8_0":
+        q, d = quantize_q8_0(weight)
+        n, k = q.shape
+        return _gguf_bytes(d, q.view(torch.uint8).reshape(n, k // QK, QK))
+    raise ValueError(f"unknown GGUF block type {qtype!r}: the CPU kernels take "
+                     f"{', '.join(GGUF_BLOCKS)}")
+
+
 def pack(weight: torch.Tensor, fmt: int, threads: int | None = None) -> Packed:
-    """Pack ``weight`` [out, in] (any float dtype; rounded to the format as torch rounds)."""
+    """Pack ``weight`` [out, in] (any float dtype; rounded to the format as torch rounds; the
+    block formats quantized as llama.cpp quantizes: :func:`quantize_q8_0`,
+    :func:`quantize_q4_0`, :func:`quantize_q4_1`)."""
+    if fmt in (FMT_Q4_0, FMT_Q4_1):
+        raw = quantize_q4_0(weight) if fmt == FMT_Q4_0 else quantize_q4_1(weight)
+        return pack_gguf_blocks(raw, FORMAT_NAMES[fmt], *weight.shape)
     lib = K_.load()
     n, k = weight.shape
     size = lib.ek_packed_bytes(fmt, n, k)
@@ -89,6 +160,40 @@ def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> Packed:
     return Packed(out, FMT_Q8_0, n, k)
 
 
+def pack_gguf_blocks(raw: torch.Tensor, qtype: str, n: int, k: int) -> Packed:
+    """Pack a GGUF tensor's bytes as they are in the file (``raw``: uint8, n rows of k / 32
+    blocks, any shape holding them in that order) for the kernels of ``qtype`` ("q4_0",
+    "q4_1" or "q8_0"): the kernels multiply by exactly the blocks' values (no
+    requantization). Raises ValueError on an unknown qtype, k not a multiple of 32 or a byte
+    count that is not n * k / 32 blocks."""
+    if qtype not in GGUF_BLOCKS:
+        raise ValueError(f"unknown GGUF block type {qtype!r}: the CPU kernels take "
+                         f"{', '.join(GGUF_BLOCKS)}")
+    fmt, size = GGUF_BLOCKS[qtype]
+    if n <= 0 or k <= 0 or k % QK:
+        raise ValueError(f"a {qtype} tensor needs n > 0 and k a positive multiple of {QK}, "
+                         f"got n={n}, k={k}")
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
+        raise ValueError(f"{qtype} blocks must come as a uint8 tensor of the file's bytes, got "
+                         f"{getattr(raw, 'dtype', type(raw).__name__)}")
+    nb = k // QK
+    if raw.numel() != n * nb * size:
+        raise ValueError(f"a {n} x {k} {qtype} tensor is {n * nb * size} bytes ({n * nb} "
+                         f"blocks of {size}), got {raw.numel()}")
+    raw = raw.detach().reshape(n, nb, size)
+    if not raw.is_contiguous() or raw.device.type != "cpu":
+        raw = raw.cpu().contiguous()
+    if fmt == FMT_Q8_0:
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        q = raw[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        return pack_q8_0_blocks(q, d)
+    lib = K_.load()
+    out = torch.empty(lib.ek_packed_bytes(fmt, n, k), dtype=torch.uint8)
+    check_status(lib.ek_pack_gguf_q4(fmt, raw.data_ptr(), n, k, out.data_ptr(),
+                                     torch.get_num_threads()), f"packing {qtype} blocks")
+    return Packed(out, fmt, n, k)
+
+
 def unpack(packed: Packed) -> torch.Tensor:
     """The weight a packed one stands for, float32 [n, k] (what the kernels multiply by)."""
     out = torch.empty(packed.n, packed.k, dtype=torch.float32)
@@ -98,29 +203,43 @@ def unpack(packed: Packed) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
-           isa: int = ISA_AVX512, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for x [..., k] float32 or bfloat16 on the CPU; the result has x's dtype."""
+           isa: int = ISA_AVX512, out: torch.Tensor | None = None,
+           weight_only: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` for x [..., k] float32 or bfloat16 on the CPU; the result has x's dtype.
+    ``weight_only`` (block formats: Q8_0, Q4_0, Q4_1): keep the activations float32 and
+    dequantize the blocks in registers (the result is float32 ``x @ unpack(packed).T`` within
+    float rounding) instead of quantizing the activations to int8 per block."""
     k, n = packed.k, packed.n
+    fmt = packed.fmt
+    if weight_only:
+        fmt = WEIGHT_ONLY.get(fmt)
+        if fmt is None:
+            raise ValueError(f"weight-only runs the block formats ({', '.join(GGUF_BLOCKS)}), "
+                             f"not {FORMAT_NAMES.get(packed.fmt, packed.fmt)}")
     dt = X_DTYPES.get(x.dtype)
-    if dt is None or x.device.type != "cpu":
+    if dt is None or not x.is_cpu:
         raise ValueError(f"the CPU kernels take float32 or bfloat16 activations on a CPU, got "
                          f"{x.dtype} on {x.device}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
-    x2 = x.reshape(-1, k)
+    shape = x.shape
+    if shape[-1] != k:
+        raise ValueError(f"x has {shape[-1]} features, the weight {k}")
+    flat = len(shape) == 2  # the decode path: no reshape, no view (each costs a microsecond)
+    x2 = x if flat else x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype) if out is None else out
     b = 0
     if bias is not None:
-        bias = bias.detach().float().contiguous()
+        if bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.detach().float().contiguous()
         b = bias.data_ptr()
-    status = _linear(packed.fmt, isa, x2.data_ptr(), dt, m, k, x2.stride(0), packed.ptr, n, b,
+    status = _linear(fmt, isa, x2.data_ptr(), dt, m, k, x2.stride(0), packed.ptr, n, b,
                      y.data_ptr(), dt, n, torch.get_num_threads())
     if status:
-        check_status(status, f"{FORMAT_NAMES[packed.fmt]} GEMM on {ISA_LABEL.get(isa, isa)}")
-    return y.view(*x.shape[:-1], n)
+        check_status(status, f"{FORMAT_NAMES[packed.fmt]}{' weight-only' if weight_only else ''}"
+                             f" GEMM on {ISA_LABEL.get(isa, isa)}")
+    return y if flat and out is None else y.view(*shape[:-1], n)
 
 
 def _linear(*args):
@@ -130,12 +249,13 @@ def _linear(*args):
 
 
 class CPUGemm(LinearKernel):
-    """One registered kernel: a weight format on one instruction set."""
+    """One registered kernel: a weight format (``fmt``: how it packs) on one instruction set;
+    ``weight_only`` (block formats): float32 activations, the blocks dequantized in registers."""
 
     def __init__(self, name: str, weight_dtype: str, fmt: int, isa: int, needs: int,
-                 description: str):
+                 description: str, weight_only: bool = False):
         self.name, self.weight_dtype, self.fmt, self.isa = name, weight_dtype, fmt, isa
-        self.needs, self.description = needs, description
+        self.needs, self.description, self.weight_only = needs, description, weight_only
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -160,10 +280,21 @@ class CPUGemm(LinearKernel):
         return self.unavailable_reason()
 
     def pack(self, weight: torch.Tensor) -> Packed:
+        """A float weight: rounded (float16 / bfloat16) or quantized as llama.cpp quantizes
+        (q8_0 / q4_0 / q4_1: see :func:`pack`)."""
         return pack(weight, self.fmt)
 
+    def pack_blocks(self, raw: torch.Tensor, qtype: str, n: int, k: int) -> Packed:
+        """A GGUF tensor's blocks as they are in the file (uint8 bytes, n rows of k / 32
+        blocks of ``qtype``): :func:`pack_gguf_blocks`. ``qtype`` must be this kernel's
+        weight dtype."""
+        if qtype != self.weight_dtype:
+            raise ValueError(f"the {self.name} kernel runs {self.weight_dtype} blocks, not "
+                             f"{qtype!r}")
+        return pack_gguf_blocks(raw, qtype, n, k)
+
     def linear(self, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None):
-        return linear(x, packed, bias, self.isa)
+        return linear(x, packed, bias, self.isa, None, self.weight_only)
 
     def packed_bytes(self, packed: Packed) -> int:
         return packed.nbytes
@@ -186,4 +317,22 @@ KERNELS = [
             "Q8_0 blocks x int8 activations per block, vpdpbusd (AVX512_VNNI)"),
     CPUGemm("avx2_q8_0", "q8_0", FMT_Q8_0, ISA_AVX2, A2,
             "Q8_0 blocks x int8 activations per block, vpmaddubsw (AVX2)"),
+    CPUGemm("avx512_q4_1", "q4_1", FMT_Q4_1, ISA_AVX512, A512 | FEAT_AVX512_VNNI,
+            "Q4_1 blocks x int8 activations per block (Q8_1-style sums), vpdpbusd "
+            "(AVX512_VNNI)"),
+    CPUGemm("avx2_q4_1", "q4_1", FMT_Q4_1, ISA_AVX2, A2,
+            "Q4_1 blocks x int8 activations per block (Q8_1-style sums), vpmaddubsw (AVX2)"),
+    CPUGemm("avx512_q4_0", "q4_0", FMT_Q4_0, ISA_AVX512, A512 | FEAT_AVX512_VNNI,
+            "Q4_0 blocks x int8 activations per block, vpdpbusd (AVX512_VNNI)"),
+    CPUGemm("avx2_q4_0", "q4_0", FMT_Q4_0, ISA_AVX2, A2,
+            "Q4_0 blocks x int8 activations per block, vpmaddubsw (AVX2)"),
 ]
+# weight-only: the same packing, float32 activations (the engine's default for GGUF blocks: the
+# result is the dequantized float32 model's within float rounding)
+KERNELS += [
+    CPUGemm(f"{label}_{name}_f32", name, fmt, isa, needs,
+            f"{name.upper()} blocks dequantized in registers, float32 activations, {what} FMA",
+            weight_only=True)
+    for name, fmt in (("q4_1", FMT_Q4_1), ("q4_0", FMT_Q4_0), ("q8_0", FMT_Q8_0))
+    for label, isa, needs, what in (("avx512", ISA_AVX512, A512, "AVX-512"),
+                                    ("avx2", ISA_AVX2, A2, "AVX2"))]

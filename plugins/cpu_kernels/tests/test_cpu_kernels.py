@@ -120,6 +120,7 @@ def test_block_formats_refuse_other_k_and_gguf_blocks_pack_as_they_are():
 def test_registered_and_picked_per_cpu(registries, monkeypatch):
     """The plugin registers one kernel per (weight dtype, instruction set); the core picks the
     best usable one, and ENGINE_CPU_ISA=avx2 caps it to the AVX2 path."""
+    monkeypatch.delenv(K.ISA_ENV, raising=False)  # the run's own cap (an ENGINE_CPU_ISA=avx2 run)
     names = {e.name: e.extra["weight_dtype"] for e in registries.linear_kernels}
     assert names["avx2_bf16"] == names["avx512_bf16"] == "bfloat16"
     assert names["avx2_fp16"] == names["avx512_fp16"] == "float16"
@@ -129,7 +130,9 @@ def test_registered_and_picked_per_cpu(registries, monkeypatch):
     assert resolve_linear_kernel(registries, "float16", cpu).name == f"{best}_fp16"
     monkeypatch.setenv(K.ISA_ENV, "avx2")
     assert resolve_linear_kernel(registries, "bfloat16", cpu).name == "avx2_bf16"
-    assert resolve_linear_kernel(registries, "q8_0", cpu).name == "avx2_q8_0"
+    # q8_0: the weight-only kernel is the default (tests/test_weight_only.py), the int8 one by name
+    assert resolve_linear_kernel(registries, "q8_0", cpu).name == "avx2_q8_0_f32"
+    assert resolve_linear_kernel(registries, "q8_0", cpu, forced="avx2_q8_0").name == "avx2_q8_0"
     with pytest.raises(BackendUnavailable, match="ENGINE_CPU_ISA=avx2 limits the kernels"):
         resolve_linear_kernel(registries, "bfloat16", cpu, forced="avx512_bf16")
     with pytest.raises(BackendUnavailable, match="keeps float16 weights"):
@@ -229,6 +232,7 @@ def test_bfloat16_engine_matches_the_core_path(tiny_model_dir, registries, cpu_d
 
 def test_forcing_a_kernel_the_model_cannot_use_is_an_error(tiny_model_dir, registries,
                                                            cpu_device, monkeypatch):
+    monkeypatch.delenv(K.ISA_ENV, raising=False)  # the run's own cap (an ENGINE_CPU_ISA run)
     monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "avx2_bf16")
     with pytest.raises(EngineError, match="plugin kernels take --dtype float16 or bfloat16"):
         runner(tiny_model_dir, registries, cpu_device, "float32")
