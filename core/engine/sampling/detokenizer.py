@@ -46,7 +46,7 @@ def window_decoder(tokenizer):
                                     clean_up_tokenization_spaces=False)
         fn.concatenative = False
         fn.pieces = None
-    fn.masks = {}  # stop_mask's cache: (last characters, skip) -> Future of a StopMask
+    fn.masks = {}  # stop_mask's cache: (stop strings, skip) -> Future of a StopMask
     fn.vocab_index = {}  # skip -> _VocabIndex (every token's text alone, ...): stop_mask
     try:
         tokenizer._engine_window_decoder = fn
@@ -57,22 +57,25 @@ def window_decoder(tokenizer):
 
 # StopMask.maybe codes
 _SAFE = 0  # whole characters, none a stop string's last one: cannot end a stop string
-_MAY_END = 1  # whole characters, one of them a stop string's last one
+_MAY_END = 1  # whole characters, where a stop string could end (its last character, preceded
+# within the token by what precedes that character in the stop string)
 _PARTIAL = 2  # anything else (no text, an added token with a partial character): decoded
 _PARTIAL_FREE = 3  # a byte-level token with a partial character (U+FFFD) none of whose bytes
 # is the last byte of a stop string's last character: its text in context (with its neighbours)
 # cannot hold that character either; queued, and decoded with the queued tokens around it
 
 _MAX_DIRTY = 32  # queued tokens with partial characters decoded together at most
+_MAX_MASKS = 256  # StopMasks kept per decoder (one per set of stop strings; vocab bytes each)
 
 _mask_pool: ThreadPoolExecutor | None = None
 _mask_lock = threading.Lock()
 
 
 class StopMask:
-    """For one set of stop strings' last characters (and skip_special_tokens): ``maybe[t]`` is
-    _SAFE when token ``t``'s text is whole characters and cannot end a stop string, _MAY_END
-    when it is whole characters one of which is such a last character, _PARTIAL_FREE or
+    """For one set of stop strings (and skip_special_tokens): ``maybe[t]`` is _SAFE when token
+    ``t``'s text is whole characters and no stop string can end in it, _MAY_END when it is
+    whole characters and one could (a stop's last character, preceded within the token by what
+    precedes it in the stop: "er" may end "never", "ar" cannot), _PARTIAL_FREE or
     _PARTIAL (see there) when it is not whole characters; ``pieces[t]`` is the token's text
     alone. Only for a concatenative decoder (byte-level BPE), where a token's text in context is
     its text alone once the text before it ends at a character boundary."""
@@ -143,14 +146,31 @@ class _VocabIndex:
                     self.by_char.setdefault(c, []).append(t)
 
 
-def _build_mask(decode, lasts: frozenset, skip: bool) -> StopMask:
+def _can_end_in(piece: str, stop: str) -> bool:
+    """Whether ``stop`` can end inside ``piece`` (whatever text comes before it): at some
+    position holding stop's last character, the piece's characters up to there are the end
+    of ``stop`` (all of it, or the part of its tail that fits after the piece's start)."""
+    last, n = stop[-1], len(stop)
+    i = piece.find(last)
+    while i >= 0:
+        k = min(i + 1, n)
+        if piece[i + 1 - k: i + 1] == stop[n - k:]:
+            return True
+        i = piece.find(last, i + 1)
+    return False
+
+
+def _build_mask(decode, stops: frozenset, skip: bool) -> StopMask:
     index = decode.vocab_index.get(skip)
     if index is None:
         index = decode.vocab_index[skip] = _VocabIndex(decode, skip)
-    codes = index.base[:]
+    codes, pieces = index.base[:], index.pieces
+    lasts = {x[-1] for x in stops}
     for c in lasts:
+        ending = [x for x in stops if x[-1] == c]
         for t in index.by_char.get(c, ()):
-            codes[t] = _MAY_END
+            if any(_can_end_in(pieces[t], x) for x in ending):
+                codes[t] = _MAY_END
     for b in {c.encode("utf-8")[-1] for c in lasts}:  # the last byte of each
         for t in index.by_byte.get(b, ()):
             codes[t] = _PARTIAL
@@ -169,7 +189,7 @@ def stop_mask(decode, stops: list[str], skip: bool) -> Future | None:
         return None
     if any(not x or x[-1].isspace() or _INCOMPLETE in x for x in stops):
         return None
-    key = (frozenset(x[-1] for x in stops), skip)
+    key = (frozenset(stops), skip)
     fut = masks.get(key)
     if fut is None:
         with _mask_lock:
@@ -177,6 +197,8 @@ def stop_mask(decode, stops: list[str], skip: bool) -> Future | None:
             if fut is None:
                 if _mask_pool is None:
                     _mask_pool = ThreadPoolExecutor(1, thread_name_prefix="stop-mask")
+                if len(masks) >= _MAX_MASKS:  # clients choose the stops: keep the newest
+                    masks.pop(next(iter(masks)))
                 fut = masks[key] = _mask_pool.submit(_build_mask, decode, key[0], skip)
     return fut
 
@@ -326,7 +348,7 @@ class IncrementalDetokenizer:
     def _emit_pending(self, token: int) -> bool:
         """The queued tokens and ``token`` (whole characters, at a character boundary), as one
         delta of their pieces: the search finds what ``add`` one token at a time would have
-        found (none can end in the queued tokens' text: it holds no stop's last character)."""
+        found (none can end in the queued tokens' text: the mask says so of each of them)."""
         pending, pieces = self.pending, self._mask.pieces
         piece = pieces[token]
         if pending:

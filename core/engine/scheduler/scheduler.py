@@ -239,8 +239,11 @@ class Scheduler:
         else:
             logits = self.runner.forward(batch)
         self.kv.computed(decodes, chunks)
-        sample = self.rows_to_sample(reqs, len(decodes))
-        scored = self.finish_scored(self.scored_done(reqs))
+        if chunks:
+            sample = self.rows_to_sample(reqs, len(decodes))
+            scored = self.finish_scored(self.scored_done(reqs))
+        else:  # a decode step: every row samples (a request that only scores never decodes)
+            sample, scored = range(len(reqs)), []
         if not sample:
             return scored
         rows = reqs if len(sample) == len(reqs) else [reqs[i] for i in sample]
