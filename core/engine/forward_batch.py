@@ -87,7 +87,10 @@ class ForwardBatch:
 
         positions_t, rows_t, extend_t = t(positions), t(req_pool_indices), t(extend)
         if out_cache_loc is None:
-            out_cache_loc = req_to_token[rows_t.repeat_interleave(extend_t), positions_t]
+            # output_size: known on the host, so the device need not be asked (a sync)
+            out_cache_loc = req_to_token[rows_t.repeat_interleave(extend_t,
+                                                                  output_size=len(flat)),
+                                         positions_t]
         return cls(
             mode=mode, input_ids=t(flat), positions=positions_t,
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),

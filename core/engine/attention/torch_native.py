@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -78,8 +79,10 @@ class TorchNativeBackend(AttentionBackend):
         if not whole:
             starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
             tokens = starts[sel][:, None] + e
-            valid = (torch.arange(E, device=dev)[None, :] < ext_t[:, None]).flatten()
-            rows = valid.nonzero().squeeze(1)
+            # the [B, E] positions holding a real token, from the host lengths (a nonzero on
+            # the device would wait for it)
+            rows = long_tensor(np.concatenate([np.arange(x) + b * E for b, x in enumerate(ext)]),
+                               dev)
             dest = tokens.flatten()[rows]
         # no cached prefix: query i is at position i, and E == L
         plain = E > 1 and not any(batch.prefix_lens_list[i] for i in idx)
