@@ -64,7 +64,7 @@ _PARTIAL_FREE = 3  # a byte-level token with a partial character (U+FFFD) none o
 # is the last byte of a stop string's last character: its text in context (with its neighbours)
 # cannot hold that character either; queued, and decoded with the queued tokens around it
 
-_MAX_DIRTY = 32  # queued tokens with partial characters decoded together at most
+MAX_DIRTY = 32  # queued tokens with partial characters decoded together at most
 _MAX_MASKS = 256  # StopMasks kept per decoder (one per set of stop strings; vocab bytes each)
 
 _mask_pool: ThreadPoolExecutor | None = None
@@ -323,7 +323,7 @@ class IncrementalDetokenizer:
             if code == _PARTIAL_FREE:
                 pending.append(token)
                 self._dirty = True
-                if len(pending) >= _MAX_DIRTY:  # decoded in windows of a few tokens
+                if len(pending) >= MAX_DIRTY:  # decoded in windows of a few tokens
                     self._flush()
                 return False
             if code == _MAY_END:

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from engine.grammar.bitmask import apply_token_bitmask
-from engine.sampling.params import SamplingParams
 from engine.host import float_tensor, long_tensor
+from engine.sampling.params import SamplingParams
 from engine.sampling.penalties import PenaltyTable, SeenTokens
 from engine.sampling.seeds import counter_uniform, sample_inverse_cdf, seed_key
+
+_OUTPUT_IDS = attrgetter("output_ids")
+_PLUS_ONE = (1).__add__
 
 # columns of SamplingBatch.floats [B, 6] float32 and SamplingBatch.ints [B, 4] int64
 TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)
@@ -226,7 +230,7 @@ class SamplingBatch:
             if self.penalties is not None:
                 self.penalties.add(sampled)
             self.ints[:, POSITION] += 1
-        self.lengths = [length + 1 for length in self.lengths]
+        self.lengths = list(map(_PLUS_ONE, self.lengths))  # (C-level: every row, every step)
         if self.banned is not None:
             self.ban_steps -= 1
             if self.ban_steps <= 0:
@@ -258,7 +262,7 @@ class SamplingState:
     def batch(self, reqs: list, device) -> SamplingBatch:
         """The SamplingBatch of ``reqs`` (objects with params, prompt_ids, output_ids) in that
         order, its tensors on ``device``; ``allowed`` is reset to None."""
-        lengths = [len(r.output_ids) for r in reqs]
+        lengths = list(map(len, map(_OUTPUT_IDS, reqs)))
         cur, device = self.current, torch.device(device)
         if cur is not None and cur.device != device:
             cur = None

@@ -7,6 +7,7 @@ from operator import attrgetter
 
 from engine.forward_batch import ForwardBatch
 from engine.sampling import Sampler, SamplingState, token_stop_reason
+from engine.sampling.detokenizer import MAX_DIRTY
 from engine.scheduler.adaptive import make_ratio
 from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
                                         prefix_in_flight, waits_for_leader)
@@ -19,6 +20,7 @@ from engine.scheduler.retract import pick_victims
 from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
 
 _OUTPUT_IDS, _FINISHED = attrgetter("output_ids"), attrgetter("finished")  # counted per step
+QUEUED_PARTIALS = MAX_DIRTY - 1  # commit queues a partial character inline below check's flush
 
 
 class Scheduler:
@@ -341,8 +343,12 @@ class Scheduler:
                 det = r.detokenizer
                 if det is not None:  # stop strings: IncrementalDetokenizer.check
                     queued, codes = det.pending, det.codes
-                    if queued and token < len(codes) and codes[token] == 0:
-                        queued.append(token)  # all that check does here (most tokens)
+                    code = codes[token] if queued and token < len(codes) else -1
+                    if code == 0:  # _SAFE: all that check does here (most tokens)
+                        queued.append(token)
+                    elif code == 3 and len(queued) < QUEUED_PARTIALS:  # _PARTIAL_FREE
+                        queued.append(token)  # check's own path, short of its window
+                        det._dirty = True
                     elif det.check(token):
                         self._release_finished(r, "stop", det.matched_stop)
                         finished = True
