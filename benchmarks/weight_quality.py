@@ -1,9 +1,12 @@
 """Quality of the cheaper weight formats against float32, measured on a fixed English text.
 
-Prints, for float32 and each variant: perplexity of the text (teacher-forced, one prefill),
+Prints, for float32 (a GGUF's weights dequantized: ``ENGINE_LINEAR_KERNEL=torch``) and each
+variant: perplexity of the text (teacher-forced, one prefill),
 top-1 agreement of the next-token predictions with float32 over it, and how many greedy tokens
 each of a few chat-free prompts keeps equal to float32 before the first difference. Variants:
-``--dtype float16`` (float16 linear weights, float32 arithmetic, on a CPU), and
+a GGUF's Q4_1/Q8_0 blocks as they are (weight-only kernels: the default; and the best
+int8-activation kernel, llama.cpp's arithmetic), ``--dtype float16`` (float16 linear weights,
+float32 arithmetic, on a CPU), ``--dtype bfloat16``, and
 ``--quantization w8a8_int8`` per int8 kernel, alone and with ``--dtype float16`` (its LM head in
 float16; needs the engine-quant-int8 plugin).
 
@@ -23,9 +26,25 @@ import bench_models  # noqa: E402
 from engine.quality import GREEDY_TOKENS, PROMPTS, TEXT, common_prefix, evaluate, greedy  # noqa: E402,E501
 
 
+def block_kernels() -> list[tuple[str, dict, dict]]:
+    """A GGUF's blocks as they are (the default where a kernel runs them: weight-only), and
+    through the best int8-activation kernel for Q4_1 (llama.cpp's arithmetic) usable here."""
+    from engine.plugins import get_registries
+
+    regs = get_registries()
+    int8 = [e for e in regs.linear_kernels if e.extra.get("weight_dtype") == "q4_1"
+            and not e.name.endswith("_f32") and e.unavailable_reason(torch.device("cpu")) is None]
+    out = [("GGUF blocks (default)", {}, {})]
+    if int8:
+        best = max(int8, key=lambda e: e.extra.get("priority", 0))
+        out.append((f"GGUF blocks, {best.name}", {}, {"ENGINE_LINEAR_KERNEL": best.name}))
+    return out
+
+
 def variants(kernels: list[str]) -> list[tuple[str, dict, dict]]:
     """(label, Engine kwargs, environment) of each variant."""
-    out = [("--dtype float16", {"dtype": "float16"}, {})]
+    out = [*block_kernels(), ("--dtype float16", {"dtype": "float16"}, {}),
+           ("--dtype bfloat16", {"dtype": "bfloat16"}, {})]
     try:
         import engine_quant_int8  # noqa: F401
     except ImportError:
@@ -50,7 +69,9 @@ def main():
 
     path = bench_models.resolve(args.model, lambda: None)
     torch.set_num_threads(os.cpu_count() or 1)
+    os.environ["ENGINE_LINEAR_KERNEL"] = "torch"  # float32: a GGUF dequantized, oneDNN
     ref = Engine(path, max_total_tokens=4096)
+    del os.environ["ENGINE_LINEAR_KERNEL"]
     ids = ref.tokenizer.encode(TEXT)
     ref_logits, ref_ppl = evaluate(ref, ids)
     ref_greedy = greedy(ref)
