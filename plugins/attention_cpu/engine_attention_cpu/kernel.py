@@ -1,76 +1,31 @@
 """Build the C decode-attention kernel once per machine and load it with ctypes.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) into
-``$ENGINE_CACHE_DIR`` (default ``~/.cache/engine``), keyed by a hash of the source, the flags, the
-compiler's version and the CPU's flags, so a cache shared between machines never runs code built
-for another CPU. No torch headers are needed: a build takes about a second.
+Built by ``engine.native.build_library`` (the system C compiler, into ``<engine cache>/kernels``),
+keyed also by the CPU's flags (``-march=native``), so a cache shared between machines never runs
+code built for another CPU. No torch headers are needed: a build takes about a second.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch  # loaded first, so the kernel's OpenMP dependency resolves to torch's own runtime
 
-from engine.paths import cache_root
+from engine.native import BuildError as KernelUnavailable  # noqa: F401 - this plugin's name
+from engine.native import build_library, cpu_flags
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-class KernelUnavailable(Exception):
-    """Why the kernel cannot be built here, in words for the user."""
-
-
-def compiler() -> str | None:
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """The loaded kernel library; raises KernelUnavailable with the reason."""
-    cc = compiler()
-    if cc is None:
-        raise KernelUnavailable("needs a C compiler to build its kernel (gcc or cc on PATH, or $CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            first = (result.stderr.strip().splitlines() or ["no output"])[0]
-            raise KernelUnavailable(f"its kernel failed to build with {cc}: {first}")
-        os.replace(tmp, target)  # atomic: a concurrent build never loads a half-written file
+    # -march=native: keyed by the CPU's flags too
+    target = build_library(SOURCE, FLAGS, "its kernel", key_extra=cpu_flags())
     lib = ctypes.CDLL(str(target))
     P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.decode_attention.argtypes = [P, P, P, P, P, INT, P, I64, P, P, I64, I64, I64, I64, I64,

@@ -1,9 +1,8 @@
 """Build the C GEMM library once per machine and load it with ctypes.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) into
-``$ENGINE_CACHE_DIR/kernels`` (default ``~/.cache/engine/kernels``), keyed by a hash of the
-source, the flags and the compiler's version. Nothing is built for the build machine's CPU
-(no ``-march``): the AVX2 and AVX-512 functions carry their own target attributes, and which
+Built by ``engine.native.build_library`` (the system C compiler, into ``<engine cache>/kernels``,
+keyed by the source, the flags and the compiler's version). Nothing is built for the build
+machine's CPU (no ``-march``): the AVX2 and AVX-512 functions carry their own target attributes, and which
 ones run is decided at run time from cpuid (``features()``), so one build runs on any x86-64.
 """
 
@@ -11,17 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch  # loaded first, so the library's OpenMP dependency resolves to torch's own runtime
 
-from engine.paths import cache_root
+from engine.native import BuildError as KernelUnavailable  # noqa: F401 - this plugin's name
+from engine.native import build_library
 
 SOURCE = Path(__file__).with_name("linear_kernels.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
@@ -42,45 +38,12 @@ ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 ISA_ENV = "ENGINE_CPU_ISA"  # "avx2" / "scalar": cap the instruction set (tests, comparisons)
 
 
-class KernelUnavailable(Exception):
-    """Why the library cannot be built or run here, in words for the user."""
-
-
-def compiler() -> str | None:
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """The loaded library; raises KernelUnavailable with the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"its kernels are x86-64 code, and this is {platform.machine()}")
-    cc = compiler()
-    if cc is None:
-        raise KernelUnavailable("needs a C compiler to build its kernels (gcc or cc on PATH, "
-                                "or $CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()
-    target = cache_dir() / f"linear_kernels-{key[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            first = (result.stderr.strip().splitlines() or ["no output"])[0]
-            raise KernelUnavailable(f"its kernels failed to build with {cc}: {first}")
-        os.replace(tmp, target)  # atomic: a concurrent build never loads a half-written file
+    target = build_library(SOURCE, FLAGS, "its kernels")  # no -march: any x86-64 runs it
     lib = ctypes.CDLL(str(target))
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ek_features.argtypes, lib.ek_features.restype = [], INT
