@@ -190,3 +190,32 @@ def test_runner_sizes_the_pool_in_the_kv_dtype(tiny_model_dir, registries, cpu_d
     assert kv.dtype == torch.bfloat16 and kv.size == 100 and kv.page_size == 4
     assert kv.kv_dtype is runner.kv_dtype  # the pool stores through the runner's KVDtype
     assert kv.bytes_per_token() == runner.kv_bytes_per_token()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_separate_host_table_stays_equal_to_the_device_table(page_size):
+    """On a GPU the host reads its own copy of req_to_token (no read waits for the device);
+    both writers keep it equal. Here the copy is forced apart from the CPU table."""
+    from engine.scheduler.kv import KVManager  # noqa: F401 - the scheduler's reader of it
+
+    pool = KVPool(1, 1, 4, 256, torch.float32, page_size=page_size, max_reqs=4,
+                  max_context_len=64)
+    pool.host_table = pool.req_to_token.clone()
+    rng = random.Random(0)
+    rows = [pool.alloc_req() for _ in range(3)]
+    lens = {r: 0 for r in rows}
+    for _ in range(20):
+        r = rng.choice(rows)
+        n = rng.randint(1, 5)
+        if lens[r] + n > 64:
+            continue
+        if rng.random() < 0.5:
+            assert pool.extend_slots(r, lens[r], n) is not None
+        else:  # one decode slot per row, through write_slots (grow_decodes' path)
+            n = 1
+            pages = pool.alloc_pages(pool.pages_needed(lens[r], 1))
+            last = pool.host_table[r, lens[r] - 1] if lens[r] else -1
+            slot = pages[0] * page_size if len(pages) else last + 1
+            pool.write_slots([r], [lens[r]], torch.tensor([slot]))
+        lens[r] += n
+    assert torch.equal(pool.host_table, pool.req_to_token)

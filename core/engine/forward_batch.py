@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host import long_tensor
+from engine.host import long_tensor, to_device
 
 
 class ForwardMode(enum.Enum):
@@ -97,5 +97,5 @@ class ForwardBatch:
             req_pool_indices=rows_t, prefix_lens=t(prefix_lens),
             extend_lens=extend_t, seq_lens=t([p + e for p, e in zip(prefix_lens, extend)]),
             req_to_token=req_to_token, prefix_lens_list=list(prefix_lens),
-            extend_lens_list=extend, logits_indices=ends.to(device),
+            extend_lens_list=extend, logits_indices=to_device(ends, device),
         )

@@ -11,11 +11,24 @@ import torch
 def long_tensor(values, device=None) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.int64, device=device)`` for a (nested) list of ints,
     through numpy. The result owns its memory (numpy made a fresh array)."""
-    t = torch.from_numpy(np.array(values, dtype=np.int64))
-    return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+    return to_device(torch.from_numpy(np.array(values, dtype=np.int64)), device)
 
 
 def float_tensor(values, device=None) -> torch.Tensor:
     """The same for float32."""
-    t = torch.from_numpy(np.array(values, dtype=np.float32))
-    return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+    return to_device(torch.from_numpy(np.array(values, dtype=np.float32)), device)
+
+
+def to_device(t: torch.Tensor, device=None) -> torch.Tensor:
+    """A host tensor on ``device``: itself for the CPU; on a GPU through pinned memory with a
+    non-blocking copy, so the host does not wait for the stream (an overlapped forward may be
+    running on it). torch's pinned-memory cache keeps the staging buffer until the copy is
+    done."""
+    if device is None:
+        return t
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from engine.host import long_tensor
+from engine.host import long_tensor, to_device
 from engine.interfaces import KVDtype
 
 
@@ -68,6 +68,11 @@ class KVPool:
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32,
                                         device=device)
         self.scratch_row = max_reqs  # stays all zeros: position -> the scratch slot 0
+        # what the host reads of the table (slots to cache, free, extend a page) from a copy in
+        # host memory that the two writers keep equal, so on a GPU no read waits for the device;
+        # on the CPU the table itself
+        self.host_table = self.req_to_token if self.req_to_token.device.type == "cpu" else \
+            torch.zeros(self.req_to_token.shape, dtype=torch.int32)
         # with workers (tp/pp ranks) holding copies of the table: every write since the last
         # forward, (row, start, slots on the host), which rank 0 sends with the next batch
         self.row_edits: list[tuple[int, int, torch.Tensor]] | None = None
@@ -144,7 +149,7 @@ class KVPool:
             slots = new_pages
         else:
             first_new_page = -(-seq_len // p)  # pages already held by the sequence
-            held = self.req_to_token[row, : first_new_page * p : p].cpu() // p
+            held = self.host_table[row, : first_new_page * p : p].long() // p
             page_of = torch.cat([held, new_pages])
             slots = page_of[positions // p] * p + positions % p
         self.write_row(row, seq_len, slots)
@@ -152,7 +157,10 @@ class KVPool:
 
     def write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record ``slots`` as request ``row``'s positions ``start..``."""
-        self.req_to_token[row, start: start + len(slots)] = slots.to(self.req_to_token.device)
+        self.req_to_token[row, start: start + len(slots)] = to_device(
+            slots.to("cpu", torch.int32), self.req_to_token.device)
+        if self.host_table is not self.req_to_token:
+            self.host_table[row, start: start + len(slots)] = slots.to("cpu", torch.int32)
         if self.row_edits is not None:
             n = len(slots)
             self.row_edits.append((torch.full((n,), row), torch.arange(start, start + n),
@@ -164,8 +172,13 @@ class KVPool:
         other ranks."""
         table = self.req_to_token
         rows_t, positions_t = long_tensor(rows), long_tensor(positions)
-        table[rows_t.to(table.device), positions_t.to(table.device)] = \
-            slots.to(table.device, table.dtype)
+        host = slots.to("cpu", torch.int32)
+        if self.host_table is table:
+            table[rows_t, positions_t] = host
+        else:
+            self.host_table[rows_t, positions_t] = host
+            table[to_device(rows_t, table.device), to_device(positions_t, table.device)] = \
+                to_device(host, table.device)
         if self.row_edits is not None:
             self.row_edits.append((rows_t, positions_t, slots.to("cpu", torch.int32)))
 

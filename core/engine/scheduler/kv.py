@@ -136,7 +136,7 @@ class KVManager:
                 positions.append(a)
         if not rows:
             return
-        table, page = self.pool.req_to_token, self.page
+        table, page = self.pool.host_table, self.page  # (the host's copy: no device read)
         assert max(positions) < table.shape[1], "sequence longer than max_context_len"
         if page == 1:  # every decode takes a new page of one slot
             slots = self.pool.alloc_pages(len(rows))
@@ -189,7 +189,7 @@ class KVManager:
         n = req.kv_len - req.kv_len % self.page
         if n <= req.cached_len:
             return
-        row = self.pool.req_to_token[req.row]
+        row = self.pool.host_table[req.row]
         dup, node, slots = self.cache.insert(req.seq[:n], row[:n].cpu())
         if dup > req.cached_len:
             self._free_range(req, req.cached_len, dup)
@@ -201,4 +201,4 @@ class KVManager:
 
     def _free_range(self, req: Req, start: int, end: int) -> None:
         if end > start:
-            self.pool.free_slots_of(self.pool.req_to_token[req.row, start:end])
+            self.pool.free_slots_of(self.pool.host_table[req.row, start:end])

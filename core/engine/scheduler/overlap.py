@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.host import long_tensor
 from engine.scheduler.admission import StepPrefill
 from engine.scheduler.grammar import wait_for_compiles
 from engine.scheduler.prompt_logprobs import all_logits_needed, record
@@ -54,6 +55,7 @@ class Job:
     logprobs: list[float] | None = None
     top_logprobs: list | None = None
     error: BaseException | None = None
+    ready: "torch.cuda.Event | None" = None  # on a GPU: the batch's inputs are on the device
 
     @property
     def sampled(self) -> set[Req]:
@@ -67,6 +69,11 @@ class OverlapSchedule:
         self.s = scheduler
         self.inflight: Job | None = None  # submitted, results not processed yet
         self._jobs: queue.Queue = queue.Queue()
+        # on a GPU the worker runs on a stream of its own, so the scheduler's copies of the next
+        # batch's inputs (pinned, non-blocking) do not queue behind the forward in flight; it
+        # waits for each batch's inputs through an event recorded after they were issued
+        device = scheduler.kv.pool.req_to_token.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = threading.Thread(target=self._work, name="overlap-worker", daemon=True)
         self._thread.start()
 
@@ -130,6 +137,9 @@ class OverlapSchedule:
         reqs = decodes + [r for r, _ in prefill.chunks]
         job = Job(reqs, batch, s.rows_to_sample(reqs, len(decodes)), placeholders, self.inflight,
                   bool(prefill.chunks), all_logits, s.scored_done(reqs))
+        if self.stream is not None:
+            job.ready = torch.cuda.Event()
+            job.ready.record()  # on this thread's stream, after the inputs' copies
         self._jobs.put(job)
         return job
 
@@ -178,7 +188,12 @@ class OverlapSchedule:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                self._run(job)
+                if self.stream is None:
+                    self._run(job)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(job.ready)
+                        self._run(job)
             except BaseException as e:  # handed to the scheduler thread, which raises it
                 job.error = e
             finally:
@@ -198,8 +213,8 @@ class OverlapSchedule:
                     src.append(j)
             if dst:
                 ids = job.batch.input_ids
-                ids[torch.tensor(dst, device=ids.device)] = prev.next_ids[
-                    torch.tensor(src, device=prev.next_ids.device)].to(ids.device, ids.dtype)
+                ids[long_tensor(dst, ids.device)] = prev.next_ids[
+                    long_tensor(src, prev.next_ids.device)].to(ids.device, ids.dtype)
         if job.all_logits:  # the prompt logprobs asked for (echo): every position's logits
             logits = record(self.s.runner.forward(job.batch, return_all_logits=True),
                             job.batch, job.reqs)
