@@ -192,3 +192,31 @@ def test_a_window_after_a_broken_character_is_decoded_alone(tiny_tokenizer):
         assert "%%" not in expected
         assert fast.text + fast.finish() == expected
         assert checked.text + checked.finish() == expected
+
+
+def test_the_masks_byte_decode_equals_the_tokenizers(tiny_tokenizer, smollm2_tokenizer):
+    """A stop mask decodes windows from the tokens' bytes (StopMask.decode_bytes): for random
+    windows, many cutting characters apart, it gives the tokenizer's own decode exactly."""
+    import random
+
+    for tok in (tiny_tokenizer, smollm2_tokenizer):
+        decode = window_decoder(tok)
+        mask = stop_mask(decode, ["\u00a7\u00a7"], True).result()
+        rng = random.Random(0)
+        text = "Große Straße, naïve café — 東京 🙂 \u00a7 ok " * 3
+        real = tok.encode(text, add_special_tokens=False)
+        vocab = decode.vocab_size
+        checked = 0
+        for _ in range(3000):
+            n = rng.randint(1, 6)
+            if rng.random() < 0.5:
+                start = rng.randrange(len(real))
+                ids = real[start: start + n]
+            else:
+                ids = [rng.randrange(vocab) for _ in range(n)]
+            got = mask.decode_bytes(ids)
+            if got is None:
+                continue  # an added token: the tokenizer decodes it
+            checked += 1
+            assert got == decode(ids, True), ids
+        assert checked > 2500

@@ -80,10 +80,26 @@ class StopMask:
     alone. Only for a concatenative decoder (byte-level BPE), where a token's text in context is
     its text alone once the text before it ends at a character boundary."""
 
-    __slots__ = ("maybe", "pieces")
+    __slots__ = ("maybe", "pieces", "raw")
 
-    def __init__(self, maybe: bytes, pieces: list[str]):
+    def __init__(self, maybe: bytes, pieces: list[str], raw: list[bytes | None] | None = None):
         self.maybe, self.pieces = maybe, pieces
+        self.raw = raw  # each token's bytes (None: an added token), for decode_bytes
+
+    def decode_bytes(self, ids: list[int]) -> str | None:
+        """The window decoder's text of ``ids`` from the tokens' bytes, without a call into
+        the tokenizer: a byte-level BPE's decode is its tokens' bytes joined and decoded as
+        UTF-8 with maximal invalid subsequences replaced by U+FFFD (from_utf8_lossy), which
+        is what Python's "replace" does. None when a token's bytes are not known (added or
+        special tokens): then the tokenizer decodes."""
+        raw = self.raw
+        try:
+            parts = [raw[t] for t in ids]
+        except (IndexError, TypeError):
+            return None
+        if None in parts:
+            return None
+        return b"".join(parts).decode("utf-8", "replace")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -126,7 +142,7 @@ class _VocabIndex:
 
     def __init__(self, decode, skip: bool):
         self.pieces = [decode([t], skip) for t in range(decode.vocab_size)]
-        raw = _token_bytes(decode, self.pieces)
+        self.raw = raw = _token_bytes(decode, self.pieces)
         self.base = bytearray(len(self.pieces))
         self.by_char: dict[str, list[int]] = {}
         self.by_byte: dict[int, list[int]] = {}
@@ -174,7 +190,7 @@ def _build_mask(decode, stops: frozenset, skip: bool) -> StopMask:
     for b in {c.encode("utf-8")[-1] for c in lasts}:  # the last byte of each
         for t in index.by_byte.get(b, ()):
             codes[t] = _PARTIAL
-    return StopMask(bytes(codes), index.pieces)
+    return StopMask(bytes(codes), index.pieces, index.raw)
 
 
 def stop_mask(decode, stops: list[str], skip: bool) -> Future | None:
@@ -422,6 +438,11 @@ class IncrementalDetokenizer:
         return flushed + self._emit(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        mask = self._mask  # with a stop mask, from the tokens' bytes (no tokenizer call)
+        if mask is not None:
+            text = mask.decode_bytes(ids)
+            if text is not None:
+                return text
         return self._decode_fn(ids, self._skip)
 
     def _decode_new(self, final: bool) -> str:
