@@ -1,5 +1,6 @@
 """The GPU kit: wheels for a lent GPU machine (cp312, manylinux x86_64, its own torch), what the
-machine lacks and nothing more, within a size cap; see scripts/gpu-kit.toml and README's "GPU kit".
+machine lacks and nothing more, within a size cap; see scripts/gpu-kit.toml and docs/gpu.md
+("GPU kit and check").
 
     python scripts/gpu_kit.py build   [--kit .gpu-kit] [--own-only] [--cache DIR]
     python scripts/gpu_kit.py verify  [--kit .gpu-kit]            # files vs manifest, the cap

@@ -186,7 +186,8 @@ def test_with_the_flag_a_runaway_template_is_a_400_and_others_are_served(chat_se
     assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
     # (whether it was served before the runaway render ended is not asserted: rendering runs
     # on a thread and shares the GIL; on a loaded 2-core machine it finished only as the 4 s
-    # render ended, once in four runs: a render process would bound it; see the README)
+    # render ended, once in four runs: a render process would bound it; docs/scheduling.md says
+    # so, under "Under real traffic")
     assert served_at - slow_done[0] < 2.0, (served_at, slow_done)
     assert slow.status_code == 400, slow.text
     assert "took longer than 4 s" in slow.json()["error"]["message"]
