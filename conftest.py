@@ -151,6 +151,24 @@ def single_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def in_process_server():
+    """``serve(engine) -> InProcessServer`` serving ``engine`` in this process (started; every
+    one stopped after the test)."""
+    from engine.testing import InProcessServer
+
+    started = []
+
+    def serve(engine):
+        server = InProcessServer(engine).__enter__()
+        started.append(server)
+        return server
+
+    yield serve
+    for server in started:
+        server.__exit__(None, None, None)
+
+
 # ---- engine serve (tests/test_server*.py) ---------------------------------------------------
 @pytest.fixture(scope="session")
 def start_server(tiny_model_factory, tmp_path_factory):

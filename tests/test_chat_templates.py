@@ -133,21 +133,15 @@ def test_sandbox_and_template_errors_are_400s_not_crashes(tiny_tokenizer):
 
 # -- through the server -----------------------------------------------------------------------
 @pytest.fixture
-def chat_server(tiny_model_factory, single_torch_thread):
+def chat_server(tiny_model_factory, single_torch_thread, in_process_server):
     """``start(**engine_kwargs) -> InProcessServer`` (stopped after the test)."""
     from engine import Engine
 
-    started = []
-
     def start(**kwargs) -> InProcessServer:
-        engine = Engine(tiny_model_factory("llama"), max_total_tokens=2048, **kwargs)
-        server = InProcessServer(engine).__enter__()
-        started.append(server)
-        return server
+        return in_process_server(Engine(tiny_model_factory("llama"), max_total_tokens=2048,
+                                        **kwargs))
 
-    yield start
-    for server in started:
-        server.__exit__(None, None, None)
+    return start
 
 
 def chat(server, timeout: float = 30, **extra) -> httpx.Response:

@@ -26,11 +26,9 @@ LONG = 400  # tokens: at least 1.6 s of steps
 
 
 @pytest.fixture
-def serve(tiny_model_factory, single_torch_thread):
+def serve(tiny_model_factory, single_torch_thread, in_process_server):
     """``serve(**engine_kwargs) -> InProcessServer`` (started; stopped after the test)."""
     from engine import Engine
-
-    started = []
 
     def start(**kwargs) -> InProcessServer:
         kwargs.setdefault("max_total_tokens", 2048)
@@ -42,13 +40,9 @@ def serve(tiny_model_factory, single_torch_thread):
             return real_step()
 
         engine.step = step
-        server = InProcessServer(engine).__enter__()
-        started.append(server)
-        return server
+        return in_process_server(engine)
 
-    yield start
-    for server in started:
-        server.__exit__(None, None, None)
+    return start
 
 
 def fail_next_step(engine, error: BaseException | None = None, before=None) -> threading.Event:

@@ -162,6 +162,12 @@ def plugin_weight_dtype(device: torch.device, dtype: torch.dtype,
     return "bfloat16" if dtype == torch.bfloat16 else None
 
 
+def kernel_label(entry) -> str:
+    """How the start log names a registered linear kernel: "NAME kernel (DIST: what it is)"."""
+    what = entry.extra.get("description")
+    return f"{entry.name} kernel ({entry.dist}{': ' + what if what else ''})"
+
+
 def plugin_kernel(registries, device: torch.device, dtype: torch.dtype, half_weights: bool):
     """The registry entry of the plugin kernel that runs the linears here, or None (the
     core's own kernels run): see ``register_linear_kernels``."""
@@ -199,9 +205,7 @@ def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
                 module.prepack("plugin", keep_plain=module.tied, kernel=entry.obj)
                 n += 1
         weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
-        what = entry.extra.get("description")
-        return (f"linear layers: {n} {weight_dtype} weights, {entry.name} kernel "
-                f"({entry.dist}{': ' + what if what else ''})")
+        return f"linear layers: {n} {weight_dtype} weights, {kernel_label(entry)}"
     if half_weights:
         kind = "fp16"
     else:

@@ -157,14 +157,14 @@ class KVPool:
 
     def write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record ``slots`` as request ``row``'s positions ``start..``."""
-        self.req_to_token[row, start: start + len(slots)] = to_device(
-            slots.to("cpu", torch.int32), self.req_to_token.device)
+        host = slots.to("cpu", torch.int32)
+        self.req_to_token[row, start: start + len(slots)] = to_device(host,
+                                                                      self.req_to_token.device)
         if self.host_table is not self.req_to_token:
-            self.host_table[row, start: start + len(slots)] = slots.to("cpu", torch.int32)
+            self.host_table[row, start: start + len(slots)] = host
         if self.row_edits is not None:
             n = len(slots)
-            self.row_edits.append((torch.full((n,), row), torch.arange(start, start + n),
-                                   slots.to("cpu", torch.int32)))
+            self.row_edits.append((torch.full((n,), row), torch.arange(start, start + n), host))
 
     def write_slots(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record one slot per (row, position). These two are the only writers of the table,
@@ -180,7 +180,7 @@ class KVPool:
             table[to_device(rows_t, table.device), to_device(positions_t, table.device)] = \
                 to_device(host, table.device)
         if self.row_edits is not None:
-            self.row_edits.append((rows_t, positions_t, slots.to("cpu", torch.int32)))
+            self.row_edits.append((rows_t, positions_t, host))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The distinct pages of ``slots`` (which must cover whole pages or a sequence tail)."""

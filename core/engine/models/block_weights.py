@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from engine.layers.linear import LINEAR_KERNEL_ENV, PrepackedWeight
+from engine.layers.linear import LINEAR_KERNEL_ENV, PrepackedWeight, kernel_label
 from engine.models.loader import checkpoint_index
 
 
@@ -79,7 +79,7 @@ def pack_block_linears(model: nn.Module, ckpt, registries) -> list[str]:
 
     forced = os.environ.get(LINEAR_KERNEL_ENV, "auto")
     kernels: dict[str, object] = {}
-    counts: dict[tuple[str, str], int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)  # per format (one kernel each)
     cpu = torch.device("cpu")
     for module, sources in _sources(model).items():
         found = _module_blocks(ckpt, [name for _, name in sources])
@@ -98,13 +98,8 @@ def pack_block_linears(model: nn.Module, ckpt, registries) -> list[str]:
         if raw.shape[0] != module.weight.shape[0]:
             continue  # not the rows the config implies: the float path's checks report it
         module.prepack("plugin", keep_plain=module.tied, kernel=entry.obj, blocks=(fmt, raw))
-        counts[(fmt, entry.name)] += 1
-    parts = []
-    for (fmt, name), n in counts.items():
-        entry = kernels[fmt]
-        what = entry.extra.get("description")
-        parts.append(f"{n} {fmt} GGUF blocks, {name} kernel "
-                     f"({entry.dist}{': ' + what if what else ''})")
+        counts[fmt] += 1
+    parts = [f"{n} {fmt} GGUF blocks, {kernel_label(kernels[fmt])}" for fmt, n in counts.items()]
     missing = sorted(f for f, e in kernels.items() if e is None)
     if missing:
         parts.append(f"{', '.join(missing)} GGUF blocks dequantized to float32: no usable "

@@ -297,13 +297,17 @@ class GGUFFile:
             return None
         rows = int(info.shape[1])
         raw = torch.from_numpy(np.array(info.data, dtype=np.uint8).reshape(rows, -1))
-        if self.arch in PERMUTED_ARCHS:
-            heads = {"self_attn.q_proj": hf["num_attention_heads"],
-                     "self_attn.k_proj": hf["num_key_value_heads"]}
-            proj = name.rpartition(".")[0].split(".", 3)[-1]
-            if proj in heads:
-                raw = unpermute_rows(raw, heads[proj]).contiguous()
-        return fmt, raw
+        return fmt, self._unpermuted(name, raw, hf).contiguous()
+
+    def _unpermuted(self, name: str, rows: torch.Tensor, hf: dict) -> torch.Tensor:
+        """``rows`` of the weight ``name`` with llama.cpp's q/k row permutation undone (for the
+        architectures it permutes); any other tensor as it is."""
+        if self.arch not in PERMUTED_ARCHS:
+            return rows
+        heads = {"self_attn.q_proj": hf["num_attention_heads"],
+                 "self_attn.k_proj": hf["num_key_value_heads"]}
+        proj = name.rpartition(".")[0].split(".", 3)[-1]
+        return unpermute_rows(rows, heads[proj]) if proj in heads else rows
 
     def block_names(self) -> list[str]:
         """Our names of the 2-D weights stored in a BLOCK_FORMATS type."""
@@ -317,8 +321,8 @@ class GGUFFile:
 
     def label(self, name: str) -> str:
         """How an error names the tensor our loader knows as ``name``."""
-        gguf_names = {hf_name(n): n for n in self.tensor_infos}
-        original = gguf_names.get(name, name)
+        info = self._infos_by_hf_name().get(name)
+        original = info.name if info is not None else name
         return f"'{original}' of {self.path}" + (f" (loaded as '{name}')" if original != name
                                                   else "")
 
@@ -326,18 +330,11 @@ class GGUFFile:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor in ``dtype``) for every weight; unknown names are passed through for
         the loader to refuse. ``keep``: only the names it accepts, the others not dequantized."""
-        permute = self.arch in PERMUTED_ARCHS
-        heads = {"self_attn.q_proj": hf["num_attention_heads"],
-                 "self_attn.k_proj": hf["num_key_value_heads"]}
         for info in self.reader.tensors:
             if info.name == ROPE_FREQS:
                 continue  # read into the config's rope_scaling
             name = hf_name(info.name) or info.name
             if keep is not None and not keep(name):
                 continue
-            tensor = torch.from_numpy(self._array(info))
-            if permute:
-                proj = name.rpartition(".")[0].split(".", 3)[-1]
-                if proj in heads:
-                    tensor = unpermute_rows(tensor, heads[proj])
+            tensor = self._unpermuted(name, torch.from_numpy(self._array(info)), hf)
             yield name, tensor.to(dtype).contiguous()

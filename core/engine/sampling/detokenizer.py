@@ -237,7 +237,7 @@ class IncrementalDetokenizer:
     __slots__ = ("_tokenizer", "_decode_fn", "_concatenative", "_before", "_params", "_skip",
                  "_pieces", "_stops", "_min_new", "_partial_ends", "_prefixes", "_ids",
                  "_prefix", "_read", "_num_output", "_held", "_chunks", "_fresh", "length",
-                 "_stopped", "matched_stop", "pending", "_dirty", "_mask", "codes",
+                 "_stopped", "matched_stop", "pending", "dirty", "_mask", "codes",
                  "_mask_future")
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
@@ -279,7 +279,9 @@ class IncrementalDetokenizer:
         # not empty) and ``codes[token] == 0`` (token < len(codes)), ``check(token)`` only
         # appends the token to ``pending`` and returns False
         self.pending: list[int] = []
-        self._dirty = False  # pending holds a partial character (_PARTIAL_FREE)
+        # pending holds a partial character (_PARTIAL_FREE); Scheduler.commit queues such tokens
+        # inline (pending, codes and dirty are what it touches)
+        self.dirty = False
         self._mask: StopMask | None = None
         self.codes = b""  # the StopMask's codes, once it is ready
         self._mask_future = (stop_mask(self._decode_fn, self._stops, self._skip)
@@ -338,12 +340,12 @@ class IncrementalDetokenizer:
                 return False
             if code == _PARTIAL_FREE:
                 pending.append(token)
-                self._dirty = True
+                self.dirty = True
                 if len(pending) >= MAX_DIRTY:  # decoded in windows of a few tokens
                     self._flush()
                 return False
             if code == _MAY_END:
-                if not self._dirty:
+                if not self.dirty:
                     return self._emit_pending(token)
                 pending.append(token)
                 # decoded with the queued run, in one window: it ends with whole characters
@@ -356,7 +358,7 @@ class IncrementalDetokenizer:
                 return self._emit_pending(token)
             if self._num_output >= self._min_new - 1:  # no text before min_new_tokens queued
                 pending.append(token)
-                self._dirty = code == _PARTIAL_FREE
+                self.dirty = code == _PARTIAL_FREE
                 return False
         self.add([token])  # (the queued tokens first)
         return self._stopped
@@ -388,10 +390,10 @@ class IncrementalDetokenizer:
         Whole characters are their cached pieces; a run with partial characters is decoded."""
         pending, pieces = self.pending, self._mask.pieces
         self.pending = []
-        if self._dirty:
+        if self.dirty:
             # the text so far ends with a whole character: the queued tokens' text is theirs
             # alone, decoded as a window of its own
-            self._dirty = False
+            self.dirty = False
             self._ids, self._prefix, self._read, self._before = pending, 0, 0, ""
             self._num_output += len(pending)
             return self._emit(self._decode_new(final=False), final=False)

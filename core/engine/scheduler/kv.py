@@ -190,7 +190,7 @@ class KVManager:
         if n <= req.cached_len:
             return
         row = self.pool.host_table[req.row]
-        dup, node, slots = self.cache.insert(req.seq[:n], row[:n].cpu())
+        dup, node, slots = self.cache.insert(req.seq[:n], row[:n])  # (the tree clones it)
         if dup > req.cached_len:
             self._free_range(req, req.cached_len, dup)
             self.pool.write_row(req.row, req.cached_len, slots[req.cached_len:dup])

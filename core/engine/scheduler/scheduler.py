@@ -283,13 +283,18 @@ class Scheduler:
         """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks."""
         table = self.kv.pool.req_to_token
         if not chunks:  # a decode step: one token each, the last of its sequence
-            ids, lens, rows = [], [], []  # one pass over the requests
-            for r in decodes:
-                ids.append((r.output_ids or r.prompt_ids)[-1])
-                lens.append(r.kv_len)
-                rows.append(r.row)
-            if decode_ids is not None:
+            lens, rows = [], []  # one pass over the requests
+            if decode_ids is None:
+                ids = []
+                for r in decodes:
+                    ids.append((r.output_ids or r.prompt_ids)[-1])
+                    lens.append(r.kv_len)
+                    rows.append(r.row)
+            else:
                 ids = [x[0] for x in decode_ids]
+                for r in decodes:
+                    lens.append(r.kv_len)
+                    rows.append(r.row)
             return ForwardBatch.decode(ids, lens, rows, table, device=table.device)
         reqs = decodes + [r for r, _ in chunks]
         if decode_ids is None:
@@ -348,7 +353,7 @@ class Scheduler:
                         queued.append(token)
                     elif code == 3 and len(queued) < QUEUED_PARTIALS:  # _PARTIAL_FREE
                         queued.append(token)  # check's own path, short of its window
-                        det._dirty = True
+                        det.dirty = True
                     elif det.check(token):
                         self._release_finished(r, "stop", det.matched_stop)
                         finished = True
