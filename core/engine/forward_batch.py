@@ -47,17 +47,23 @@ class ForwardBatch:
 
     @classmethod
     def decode(cls, input_ids: list[int], prefix_lens: list[int], req_pool_indices: list[int],
-               req_to_token: torch.Tensor, device="cpu") -> "ForwardBatch":
+               req_to_token: torch.Tensor, device="cpu",
+               out_cache_loc: torch.Tensor | None = None) -> "ForwardBatch":
         """What ``build`` makes of ``[[t] for t in input_ids]`` (a DECODE batch, its slots read
-        from ``req_to_token``), from one host tensor for the per-request lists: a decode step
-        builds this every step, for every running request."""
+        from ``req_to_token`` unless ``out_cache_loc`` brings them), from one host tensor for
+        the per-request lists: a decode step builds this every step, for every running
+        request."""
         b = len(input_ids)
         assert b > 0, "every request in a batch brings at least one token"
         host = long_tensor([input_ids, prefix_lens, req_pool_indices, prefix_lens], device)
         ids_t, positions_t, rows_t, prefix_t = host.unbind(0)
+        if out_cache_loc is None:
+            out_cache_loc = req_to_token[rows_t, positions_t]
+        elif out_cache_loc.device != req_to_token.device:  # the host's new slots
+            out_cache_loc = to_device(out_cache_loc.to(torch.int64), req_to_token.device)
         return cls(
             mode=ForwardMode.DECODE, input_ids=ids_t, positions=positions_t,
-            out_cache_loc=req_to_token[rows_t, positions_t].to(device=device, dtype=torch.int64),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
             req_pool_indices=rows_t, prefix_lens=prefix_t,
             extend_lens=torch.ones(b, dtype=torch.int64, device=device), seq_lens=prefix_t + 1,
             req_to_token=req_to_token, prefix_lens_list=list(prefix_lens),

@@ -26,6 +26,13 @@ from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Req
 
 
+class DecodeSlots(NamedTuple):
+    """What ``grow_decodes`` allocated when every decode took a slot: per decode, in order."""
+    rows: list[int]
+    positions: list[int]  # each request's kv_len: where its token goes
+    slots: torch.Tensor  # the slots (the pool's index dtype, on the table's device)
+
+
 class Prefix(NamedTuple):
     slots: torch.Tensor  # the cached slots of the request's leading tokens
     node: object  # the radix node ending there (None without a cache)
@@ -124,9 +131,11 @@ class KVManager:
         req.alloc_len += need
         return True
 
-    def grow_decodes(self, reqs: list[Req]) -> None:
+    def grow_decodes(self, reqs: list[Req]) -> DecodeSlots | None:
         """One more slot for each of ``reqs`` (each decodes one token), allocated and recorded
-        in one go; the caller has made ``decode_slots_needed(reqs)`` free."""
+        in one go; the caller has made ``decode_slots_needed(reqs)`` free. When every request
+        took a new slot (always with pages of one), returns their rows, positions (= their
+        ``kv_len``) and slots, in the order of ``reqs``: the decode batch's own columns."""
         rows, positions = [], []  # one pass over the requests, counting the slot in
         for r in reqs:
             a = r.alloc_len
@@ -135,7 +144,7 @@ class KVManager:
                 rows.append(r.row)
                 positions.append(a)
         if not rows:
-            return
+            return None
         table, page = self.pool.host_table, self.page  # (the host's copy: no device read)
         assert max(positions) < table.shape[1], "sequence longer than max_context_len"
         if page == 1:  # every decode takes a new page of one slot
@@ -150,6 +159,7 @@ class KVManager:
             slots = table[torch.tensor(rows, device=table.device), (pos - 1).clamp(min=0)] + 1
             slots[torch.tensor(full, device=table.device)] = pages * page
         self.pool.write_slots(rows, positions, slots)
+        return DecodeSlots(rows, positions, slots) if len(rows) == len(reqs) else None
 
     def computed(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> None:
         """The forward wrote K/V for one token of each decode and ``n`` of each prompt chunk;

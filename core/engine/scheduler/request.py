@@ -17,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Req:
     rid: str
     prompt_ids: list[int]

@@ -13,7 +13,7 @@ from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
                                         prefix_in_flight, waits_for_leader)
 from engine.scheduler.grammar import (StepMasks, admissible, advance, start_matchers,
                                       wait_for_compiles)
-from engine.scheduler.kv import KVManager
+from engine.scheduler.kv import DecodeSlots, KVManager
 from engine.scheduler.prompt_logprobs import all_logits_needed, chunk_cap, record
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
@@ -86,11 +86,11 @@ class Scheduler:
         retracted = self._make_room(decodes)
         if retracted:
             decodes = [r for r in decodes if r.status is Status.RUNNING]
-        self.kv.grow_decodes(decodes)
+        grown = self.kv.grow_decodes(decodes)
         prefill = self._admit(len(decodes))
         ran = bool(decodes or prefill.chunks)
         try:
-            touched = self._run(decodes, prefill.chunks) if ran else []
+            touched = self._run(decodes, prefill.chunks, grown) if ran else []
         except Exception as e:  # counted for observers (the advisor); the caller handles it
             self.counters.prefill_oom_errors += bool(prefill.chunks and is_out_of_memory(e))
             raise
@@ -230,11 +230,12 @@ class Scheduler:
         return self.policy.order(ready, prefix_len if aware else (lambda r: 0))
 
     # -- forward, sample, finish -----------------------------------------------------------------
-    def _run(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> list[Req]:
+    def _run(self, decodes: list[Req], chunks: list[tuple[Req, int]],
+             grown: DecodeSlots | None = None) -> list[Req]:
         """One forward over the decodes and the prompt chunks (in that order); samples a token
         for every request whose K/V then covers its whole sequence."""
-        reqs = decodes + [r for r, _ in chunks]
-        batch = self.forward_batch(decodes, chunks)
+        reqs = decodes + [r for r, _ in chunks] if chunks else decodes
+        batch = self.forward_batch(decodes, chunks, None, grown)
         scoring = all_logits_needed(chunks)
         if scoring:  # the prompt logprobs asked for (echo): every position's logits
             logits = record(self.runner.forward(batch, return_all_logits=True), batch, reqs)
@@ -279,9 +280,15 @@ class Scheduler:
         return done
 
     def forward_batch(self, decodes: list[Req], chunks: list[tuple[Req, int]],
-                      decode_ids: list[list[int]] | None = None) -> ForwardBatch:
-        """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks."""
+                      decode_ids: list[list[int]] | None = None,
+                      grown: DecodeSlots | None = None) -> ForwardBatch:
+        """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks;
+        ``grown``: what ``grow_decodes(decodes)`` returned (their rows, positions and slots)."""
         table = self.kv.pool.req_to_token
+        if not chunks and grown is not None and decode_ids is None:  # the usual decode step
+            ids = [(r.output_ids or r.prompt_ids)[-1] for r in decodes]
+            return ForwardBatch.decode(ids, grown.positions, grown.rows, table,
+                                       device=table.device, out_cache_loc=grown.slots)
         if not chunks:  # a decode step: one token each, the last of its sequence
             lens, rows = [], []  # one pass over the requests
             if decode_ids is None:
