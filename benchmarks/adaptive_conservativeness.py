@@ -43,7 +43,7 @@ from bench_models import add_model_option, resolve
 from bench_models import name as model_name
 
 from engine import Engine
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 
 SETTINGS = (1.0, 0.3, "auto")
 

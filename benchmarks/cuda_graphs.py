@@ -36,7 +36,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/cuda_graphs.py needs a CUDA GPU; torch sees none here.")
     from engine import Engine
-    from engine.testing import make_tiny_model
+    from engine_testing.checkpoints import make_tiny_model
 
     def random_model() -> str:
         import tempfile

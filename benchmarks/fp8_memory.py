@@ -125,7 +125,7 @@ def main():
         return
     import torch
 
-    from engine.testing import make_tiny_model
+    from engine_testing.checkpoints import make_tiny_model
 
     picked = [CONFIGS[int(i) - 1] for i in args.only.split(",")] if args.only else CONFIGS
     rows = []

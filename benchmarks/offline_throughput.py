@@ -25,7 +25,7 @@ import torch
 from bench_models import add_model_option, describe, load_hf, model_config, resolve
 
 from engine import Engine
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,

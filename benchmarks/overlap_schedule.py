@@ -27,7 +27,7 @@ from bench_models import name as model_name
 from scheduler_overhead import Timer
 
 from engine import Engine
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 
 
 def workload(n: int, vocab: int, prompt_len: int, max_new: int, seed: int = 0):

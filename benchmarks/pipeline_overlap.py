@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from engine.testing import make_tiny_model
+        from engine_testing.checkpoints import make_tiny_model
 
         model = make_tiny_model(tempfile.mkdtemp(), "LlamaForCausalLM", hidden_size=512,
                                 intermediate_size=1536, num_hidden_layers=8,

@@ -19,7 +19,7 @@ from bench_models import add_model_option, resolve
 from bench_models import name as model_name
 
 from engine import Engine
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 
 
 def workload(n_requests: int, n_systems: int, prompt_len: int, output_len: int, seed: int = 0):

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from engine.testing import ServerProcess
+from engine.server.process import ServerProcess
 
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have "
          "this from or had by word but what some we can out other were all there when up use "
@@ -95,7 +95,7 @@ def main(argv=None):
 
     model = args.model
     if model is None:
-        from engine.testing import make_tiny_model
+        from engine_testing.checkpoints import make_tiny_model
 
         model = make_tiny_model(tempfile.mkdtemp(prefix="router-bench-"))
     prompts = workload(args.groups, args.per_group, args.prefix_words, args.seed)

@@ -45,7 +45,7 @@ from bench_models import add_model_option, resolve
 from bench_models import name as model_name
 
 from engine import Engine
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 
 STOPS = ["\u2603 never", "\u00a7\u00a7"]  # never generated: every token is checked
 MODES = {
@@ -170,7 +170,7 @@ def long_output(engine, chars: int, window: int = 1000):
     from engine.sampling import IncrementalDetokenizer, SamplingParams
     from engine.scheduler.request import Req
     from engine.server.handle import Handle, build_delta, collect
-    from engine.testing import corpus
+    from engine_testing.checkpoints import corpus
 
     tok = engine.tokenizer
     text = ""

@@ -25,7 +25,7 @@ from bench_models import add_model_option, resolve
 from bench_models import name as model_name
 
 from engine.bench import Workload
-from engine.testing import make_tiny_model
+from engine_testing.checkpoints import make_tiny_model
 from engine.tune import Evaluator, Objective, run_grid, search, select
 from engine.tune.report import command, table
 

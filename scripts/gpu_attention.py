@@ -2,9 +2,9 @@
 torch_native (the reference) on the same pool.
 
 Per backend: (1) float32 correctness on the tests' mixed extend/decode steps, a full and a
-sliding-window layer (engine.testing.backend_matches_torch_native, tolerance 1e-4: TF32 matmuls
-would fail it); (2) one bfloat16 decode step with Llama-3-8B's attention shapes (32 heads, 8 KV
-heads, head dim 128), batch 32, contexts uniform in [512, 2048], timed (init_forward_metadata
+sliding-window layer (engine_testing.attention.backend_matches_torch_native, tolerance 1e-4: TF32
+matmuls would fail it); (2) one bfloat16 decode step with Llama-3-8B's attention shapes (32 heads, 8
+KV heads, head dim 128), batch 32, contexts uniform in [512, 2048], timed (init_forward_metadata
 plus every layer's forward; mean of the steps after warm-ups) with its largest difference from
 torch_native. Backends that cannot run here are listed with their reason.
 
@@ -99,7 +99,7 @@ def main() -> int:
     from engine.device import detect_device
     from engine.plugins import get_registries
     from engine.registry import default_page_size, takes_dtype
-    from engine.testing import backend_matches_torch_native
+    from engine_testing.attention import backend_matches_torch_native
 
     device = detect_device(args.device)
     regs = get_registries()

@@ -1,8 +1,8 @@
 """GPU check step (b): the engine's greedy tokens on CUDA equal HF transformers' greedy tokens.
 
-A tiny random-init Llama (engine.testing.make_tiny_model, initializer_range 0.08), three prompts,
-16 new tokens each; float32 must match exactly, for every attention backend that runs here and
-takes float32, with and without CUDA graphs. bfloat16 (backends that take it, graphs on) is
+A tiny random-init Llama (engine_testing.checkpoints.make_tiny_model, initializer_range 0.08), three
+prompts, 16 new tokens each; float32 must match exactly, for every attention backend that runs here
+and takes float32, with and without CUDA graphs. bfloat16 (backends that take it, graphs on) is
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
@@ -49,7 +49,7 @@ def main() -> int:
     from engine.device import detect_device
     from engine.plugins import get_registries
     from engine.registry import takes_dtype
-    from engine.testing import make_tiny_model
+    from engine_testing.checkpoints import make_tiny_model
 
     path = make_tiny_model(tempfile.mkdtemp(prefix="gpu-greedy-"), "LlamaForCausalLM",
                            initializer_range=0.08)

@@ -7,7 +7,7 @@ machine lacks and nothing more, within a size cap; see scripts/gpu-kit.toml and 
     python scripts/gpu_kit.py install [--kit .gpu-kit] --target DIR [--dry-run]
     python scripts/gpu_kit.py unmet                               # requirements the env lacks
 
-`build` writes this repository's own wheels (core, cli, every plugins/*) with a small PEP 427
+`build` writes this repository's own wheels (core, cli, testing, every plugins/*) with a small PEP 427
 builder of its own (standard library only: no hatchling, no network, so the lent machine can
 rebuild them too), downloads the third-party wheels of gpu-kit.toml once into a cache
 (``$ENGINE_CACHE_DIR/gpu-kit``, else ~/.cache/engine/gpu-kit), checks that every requirement of
@@ -70,8 +70,9 @@ def load_config() -> dict:
 
 
 def own_projects() -> list[Path]:
-    """core, cli and every plugin with a pyproject.toml (the meta-distribution has no code)."""
-    dirs = [ROOT / "core", ROOT / "cli"]
+    """core, cli, the test kit (the GPU check's tests use it) and every plugin with a
+    pyproject.toml (the meta-distribution has no code)."""
+    dirs = [ROOT / "core", ROOT / "cli", ROOT / "testing"]
     dirs += sorted(p.parent for p in (ROOT / "plugins").glob("*/pyproject.toml"))
     return dirs
 

@@ -43,7 +43,7 @@ def write_model_dir(preset: str) -> str:
     """config.json (LlamaForCausalLM, bfloat16) and the tests' small tokenizer; no weights."""
     import transformers
 
-    from engine.testing import train_tokenizer
+    from engine_testing.checkpoints import train_tokenizer
 
     out = tempfile.mkdtemp(prefix=f"gpu-throughput-{preset}-")
     config = transformers.LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5,

@@ -9,7 +9,7 @@ import pytest
 
 from engine import Engine
 from engine.scheduler.request import Status
-from engine.testing import assert_all_free
+from engine_testing.invariants import assert_all_free
 
 
 @pytest.fixture(scope="module")

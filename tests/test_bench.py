@@ -181,7 +181,7 @@ def test_cli_serve_refuses_base_url_with_serve_flags():
 # -- serve -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    from engine.testing import ServerProcess
+    from engine.server.process import ServerProcess
 
     tmp = tmp_path_factory.mktemp("bench-serve")
     trace = tmp / "trace.jsonl"

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import cuda_graphs  # noqa: E402
 
-from engine.cuda_graph import EagerGraph  # noqa: E402
+from engine_testing.graphs import EagerGraph  # noqa: E402
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import torch
 
 from engine.layers.linear import LINEAR_KERNEL_ENV, PrepackedWeight
 from engine.models.block_weights import _module_blocks
+from engine.quality import prefill_logits
 from engine.runner import ModelRunner
-from engine.testing import prefill_logits
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -61,7 +61,7 @@ def test_blocks_run_as_they_are_and_match_the_dequantized_path(
 
 def test_the_blocks_are_cached_and_a_cached_start_does_not_parse_the_gguf(
         tiny_model_factory, registries, cpu_device, tmp_path, monkeypatch):
-    from engine.testing_gguf import write_gguf
+    from engine_testing.gguf_writer import write_gguf
 
     if not block_kernels_usable(registries, "q4_1"):
         pytest.skip("no linear kernel for q4_1 blocks usable on this machine")

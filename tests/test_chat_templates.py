@@ -12,7 +12,8 @@ import httpx
 import pytest
 from engine.server import templates as templates_mod
 from engine.server.templates import ChatTemplateError, ChatTemplates
-from engine.testing import CHAT_TEMPLATE, InProcessServer
+from engine_testing.checkpoints import CHAT_TEMPLATE
+from engine_testing.servers import InProcessServer
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Hi there, é 日本"},

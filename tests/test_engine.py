@@ -6,7 +6,7 @@ import torch
 from engine import Engine
 from engine.engine import RequestError
 from engine.sampling import SamplingParamsError
-from engine.testing import TINY_CASES
+from engine_testing.checkpoints import TINY_CASES
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 from engine.sampling import IncrementalDetokenizer
-from engine.testing import InProcessServer
+from engine_testing.servers import InProcessServer
 
 ENGINE_THREAD = "engine-loop"
 

@@ -14,11 +14,13 @@ import torch
 
 from engine import Engine
 from engine.models.checkpoint import open_checkpoint
+from engine.quality import prefill_logits
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import (compare_prompt_logits, dense_state_dict, greedy_generate,
-                            prefill_logits)
-from engine.testing_gguf import write_gguf
+from engine_testing.generation import greedy_generate
+from engine_testing.gguf_writer import write_gguf
+from engine_testing.logits import compare_prompt_logits
+from engine_testing.weights import dense_state_dict
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

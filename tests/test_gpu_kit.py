@@ -55,7 +55,7 @@ def own_projects():
 def test_own_kit_manifest_lists_every_distribution_within_the_cap(own_kit):
     m = json.loads((own_kit / "MANIFEST.json").read_text())
     own = {w["project"]: w for w in m["wheels"] if w["kind"] == "own"}
-    assert set(own) == set(own_projects()) >= {"core", "cli", "plugins/attention_triton",
+    assert set(own) == set(own_projects()) >= {"core", "cli", "testing", "plugins/attention_triton",
                                                "plugins/attention_fa3",
                                                "plugins/attention_flashinfer"}
     assert own["core"]["name"] == "engine-core" and own["cli"]["name"] == "engine-cli"

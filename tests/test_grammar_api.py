@@ -20,7 +20,7 @@ sys.path.insert(0, FIXTURES)
 import engine_grammar_toy as toy  # noqa: E402
 
 from engine import Engine  # noqa: E402
-from engine.testing import InProcessServer  # noqa: E402
+from engine_testing.servers import InProcessServer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

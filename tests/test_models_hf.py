@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.quality import prefill_logits as prefill
 from engine.registry import EngineError
 from engine.runner import ModelRunner
-from engine.testing import (TINY_CASES, assert_close_logits, compare_prompt_logits,
-                            greedy_generate)
-from engine.testing import prefill_logits as prefill
+from engine_testing.checkpoints import TINY_CASES
+from engine_testing.generation import greedy_generate
+from engine_testing.logits import assert_close_logits, compare_prompt_logits
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

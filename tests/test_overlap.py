@@ -14,9 +14,9 @@ import pytest
 
 from engine import Engine
 from engine.config import ConfigError
-from engine.testing import assert_all_free
+from engine_testing.invariants import assert_all_free
 from engine.interfaces import Constraint
-from engine.testing import ServerProcess
+from engine.server.process import ServerProcess
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 sys.path.insert(0, FIXTURES)

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from engine.testing import ServerProcess
+from engine.server.process import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ BASE = dict(device="cpu", dtype="float32", attention_backend="torch_native", see
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from engine_testing.checkpoints import make_tiny_model
 
     root = tmp_path_factory.mktemp("parallel")
     return {

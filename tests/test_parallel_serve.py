@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from engine.net import free_port
-from engine.testing import ServerProcess
+from engine.server.process import ServerProcess
 
 PROMPTS = ["Beautiful is better than ugly.", "Now is better than never.", "Errors should"]
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -25,7 +25,7 @@ ENV = {"ENGINE_PARALLEL_CHECK": "1"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from engine_testing.checkpoints import make_tiny_model
 
     # 1 KV head over 2 ranks: replicated
     return make_tiny_model(str(tmp_path_factory.mktemp("tp") / "qwen2"), "Qwen2ForCausalLM",

@@ -18,8 +18,8 @@ import torch
 
 from engine.parallel.stage import PPStage, make_stage, split_layers
 from engine.registry import EngineError
-from engine.testing import assert_close_logits
-from engine.testing_ranks import case_inputs, hf_reference, run_spawned_ranks
+from engine_testing.logits import assert_close_logits
+from engine_testing.ranks import case_inputs, hf_reference, run_spawned_ranks
 
 PP = 2
 LOGIT_TOL = 1e-4  # relative to the logit scale, as in test_tensor_parallel.py
@@ -103,7 +103,8 @@ def rank_main(rank: int, port: int, paths: dict, prompts: dict, results) -> None
         import torch.distributed as dist
 
         from engine.models.checkpoint import open_checkpoint
-        from engine.testing import greedy_generate, prefill_logits
+        from engine.quality import prefill_logits
+        from engine_testing.generation import greedy_generate
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

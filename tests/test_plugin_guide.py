@@ -76,7 +76,7 @@ def test_each_example_registers_cleanly_and_declares_this_contract(name):
 
 # -- what each example registers, exercised ---------------------------------------------------
 def exercise_attention(module, cpu_device, tiny_model_factory):
-    from engine.testing import backend_matches_torch_native
+    from engine_testing.attention import backend_matches_torch_native
 
     _, regs = registries_with(module)
     for page_size in (1, 4):
@@ -114,7 +114,7 @@ def exercise_kv_dtype(module, cpu_device, tiny_model_factory):
 
 def exercise_quant(module, cpu_device, tiny_model_factory):
     from engine.runner import ModelRunner
-    from engine.testing import prefill_logits
+    from engine.quality import prefill_logits
 
     _, regs = registries_with(module)
     method = regs.quantization.get("int8_weight_only").obj
@@ -164,7 +164,7 @@ def exercise_routing(module, cpu_device, tiny_model_factory):
 def exercise_model(module, cpu_device, tiny_model_factory, tmp_path_factory=None):
     from engine.registry import EngineError
     from engine.runner import ModelRunner
-    from engine.testing import prefill_logits
+    from engine.quality import prefill_logits
 
     llama = tiny_model_factory()
     aquila = str(tmp_path_factory.mktemp("aquila"))
@@ -259,7 +259,7 @@ def exercise_linear_kernel(module, cpu_device, tiny_model_factory):
     """Picked for a bfloat16 model's linears on a CPU (the only kernel for them in these
     registries), named in the log, and the model's logits are those of the core's path."""
     from engine.runner import ModelRunner
-    from engine.testing import prefill_logits
+    from engine.quality import prefill_logits
 
     _, regs = registries_with(module)
     assert regs.linear_kernels.get("bf16_torch").extra["weight_dtype"] == "bfloat16"

@@ -11,7 +11,7 @@ import torch
 
 from engine import Engine
 from engine.scheduler.prompt_logprobs import PROMPT_LOGPROBS_TOKENS
-from engine.testing import assert_all_free
+from engine_testing.invariants import assert_all_free
 
 
 @pytest.fixture(scope="module")

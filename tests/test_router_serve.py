@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.testing import ServerProcess
+from engine.server.process import ServerProcess
 
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 KEY = "sekret-key-issue-28"

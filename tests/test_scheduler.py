@@ -8,7 +8,7 @@ import pytest
 
 from engine import Engine
 from engine.engine import RequestError
-from engine.testing import assert_all_free
+from engine_testing.invariants import assert_all_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

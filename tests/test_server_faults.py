@@ -1,7 +1,7 @@
 """The server's failure paths, each with a fault injected into an engine served in this process
-(engine.testing.InProcessServer: `engine serve`'s own server on 127.0.0.1, a real HTTP client):
-an exception inside a step, a failed step that leaves KV slots behind, steps failing again and
-again, the engine loop dying, a request arriving while draining, requests aborted while still
+(engine_testing.servers.InProcessServer: `engine serve`'s own server on 127.0.0.1, a real HTTP
+client): an exception inside a step, a failed step that leaves KV slots behind, steps failing again
+and again, the engine loop dying, a request arriving while draining, requests aborted while still
 queued, and /flush_cache refused.
 
 Every engine here runs its steps at least STEP_S apart, so that requests are still in flight
@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from engine.testing import InProcessServer
+from engine_testing.servers import InProcessServer
 
 STEP_S = 0.004
 LONG = 400  # tokens: at least 1.6 s of steps

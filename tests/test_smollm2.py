@@ -16,8 +16,8 @@ import torch
 
 from engine import Engine
 from engine.models import default
+from engine.quality import prefill_logits
 from engine.registry import EngineError
-from engine.testing import prefill_logits
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine.registry import EngineError
-from engine.testing import assert_close_logits
-from engine.testing_ranks import case_inputs, hf_reference, run_spawned_ranks
+from engine_testing.logits import assert_close_logits
+from engine_testing.ranks import case_inputs, hf_reference, run_spawned_ranks
 
 TP = 2
 LOGIT_TOL = 1e-4  # relative to the logit scale, as in test_models_hf.py
@@ -77,7 +77,8 @@ def rank_main(rank: int, port: int, paths: dict, prompts: dict, results) -> None
     logits and greedy tokens; puts (rank, results or a traceback) on ``results``."""
     try:
         from engine.parallel.group import init_tp_group
-        from engine.testing import greedy_generate, prefill_logits
+        from engine.quality import prefill_logits
+        from engine_testing.generation import greedy_generate
 
         torch.set_num_threads(1)
         group = init_tp_group("gloo", rank, TP, f"tcp://127.0.0.1:{port}", timedelta(seconds=60))

@@ -11,7 +11,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.interfaces import AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.runner import ModelRunner
-from engine.testing import free_requests, greedy_generate
+from engine_testing.generation import free_requests, greedy_generate
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

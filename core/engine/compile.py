@@ -78,6 +78,5 @@ def warm_up(runner, rows: int = MIN_ROWS) -> float:
         batch = ForwardBatch.build([[0] * rows], [0], [row], locs, pool.req_to_token)
         runner.forward(batch)
     finally:
-        pool.free_pages(pool.slots_to_pages(pool.req_to_token[row, :rows]))
-        pool.free_req(row)
+        pool.free_request(row, rows)
     return time.perf_counter() - start

@@ -13,8 +13,9 @@ launches of its own. Larger batches, prompts and mixed steps run eagerly.
 The graphs share one memory pool and are captured largest first, so the smaller ones reuse the
 largest one's activations; that memory lies outside ``--mem-fraction-static`` (see sizing.py).
 
-``graph_cls`` swaps ``torch.cuda.CUDAGraph`` for :class:`EagerGraph` in the CPU tests: the same
-fixed buffers and padding, the forward re-run at each replay.
+``graph_cls`` swaps ``torch.cuda.CUDAGraph`` for a stand-in with its ``capture(fn)`` and
+``replay()`` (the CPU tests' EagerGraph: the same fixed buffers and padding, the forward re-run
+at each replay).
 """
 
 from __future__ import annotations
@@ -75,23 +76,6 @@ def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
         return sorted(set(explicit))
     ladder = [1, 2, 4, 8, 12] + list(range(16, max_bs + 1, 8))
     return sorted({s for s in ladder if s < max_bs} | {max_bs})
-
-
-class EagerGraph:
-    """torch.cuda.CUDAGraph's interface without a GPU: "capture" remembers the function and
-    "replay" runs it again, writing into the output captured the first time (CPU tests)."""
-
-    def __init__(self):
-        self.fn = None
-        self.out = None
-
-    def capture(self, fn):
-        self.fn = fn
-        self.out = fn()
-        return self.out
-
-    def replay(self) -> None:
-        self.out.copy_(self.fn())
 
 
 class _CudaGraph:

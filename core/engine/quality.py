@@ -1,11 +1,13 @@
 """How much a cheaper weight format (``--dtype float16`` on a CPU, ``--quantization w8a8_int8``)
 changes a model: perplexity on a fixed English text, next-token agreement with float32 over it,
 and greedy agreement on a few prompts (benchmarks/weight_quality.py prints them; tests bound
-them on SmolLM2)."""
+them on SmolLM2). ``prefill_logits`` scores prompts: their logits from one extend batch."""
 
 from __future__ import annotations
 
 import torch
+
+from engine.forward_batch import ForwardBatch
 
 TEXT = (
     "The river starts high in the mountains, where snow melts in the spring and runs down "
@@ -32,10 +34,21 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
 GREEDY_TOKENS = 32
 
 
+def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = False):
+    """Logits of one EXTEND batch over ``prompts`` (at each last token, or at every token);
+    frees what it allocated. Needs ``runner.init_kv_pool`` first."""
+    pool = runner.kv_pool
+    rows = [pool.alloc_req() for _ in prompts]
+    locs = torch.cat([pool.extend_slots(r, 0, len(p)) for r, p in zip(rows, prompts)])
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), rows, locs, pool.req_to_token)
+    logits = runner.forward(batch, return_all_logits)
+    for row, prompt in zip(rows, prompts):
+        pool.free_request(row, len(prompt))
+    return logits
+
+
 def evaluate(engine, ids: list[int]) -> tuple[torch.Tensor, float]:
     """Next-token logits [T - 1, V] over ``ids`` (one prefill) and the perplexity of ``ids``."""
-    from engine.testing import prefill_logits
-
     logits = prefill_logits(engine.runner, [ids], return_all_logits=True)  # [T, V]
     logp = logits[:-1].log_softmax(-1)
     nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()

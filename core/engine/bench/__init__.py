@@ -19,6 +19,7 @@ from engine.bench.result import BenchResult, RequestResult, Sample, format_table
 from engine.bench.serve import run_serve, served_model
 from engine.bench.workloads import BenchRequest, Workload, load_tokenizer
 from engine.registry import EngineError
+from engine.server.process import ServerProcess
 
 __all__ = ["BenchRequest", "BenchResult", "RequestResult", "Sample", "Workload", "format_table",
            "run_bench"]
@@ -104,8 +105,6 @@ def _run_url(url, workload, max_concurrency, progress, *, backend, tokenizer, mo
 
 def _run_started(flags, workload, max_concurrency, progress, client, server_log,
                  ready_timeout) -> BenchResult:
-    from engine.testing import ServerProcess
-
     log = server_log or tempfile.NamedTemporaryFile(prefix="engine-bench-", suffix=".log",
                                                     delete=False).name
     server = ServerProcess(flags, log)

@@ -207,6 +207,11 @@ class KVPool:
         self._row_free[row] = True
         self._free_reqs.append(row)
 
+    def free_request(self, row: int, length: int) -> None:
+        """Free the pages of request ``row``'s first ``length`` slots, then the row."""
+        self.free_pages(self.slots_to_pages(self.req_to_token[row, :length]))
+        self.free_req(row)
+
     @property
     def free_reqs(self) -> int:
         return len(self._free_reqs)

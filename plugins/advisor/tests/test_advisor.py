@@ -141,7 +141,7 @@ def out_of_memory_in_prefill(engine):
 
 
 def test_prefill_oom_in_a_server_shows_at_server_info_and_in_engine_doctor(model, caplog):
-    from engine.testing import InProcessServer
+    from engine_testing.servers import InProcessServer
 
     engine = Engine(model, device="cpu", max_total_tokens=512, chunked_prefill_size=64)
     out_of_memory_in_prefill(engine)

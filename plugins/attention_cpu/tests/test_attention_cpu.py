@@ -12,8 +12,10 @@ from engine.interfaces import AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.registry import IncompatibleOptions, resolve_attention_backend
 from engine.runner import ModelRunner
-from engine.testing import TINY_CASES, free_requests, greedy_generate, scattered_filler
-from engine.testing import compare_backends_step as step
+from engine_testing.attention import compare_backends_step as step
+from engine_testing.attention import scattered_filler
+from engine_testing.checkpoints import TINY_CASES
+from engine_testing.generation import free_requests, greedy_generate
 from engine_attention_cpu import check, kernel, select_attention_backend
 from engine_attention_cpu.backend import CPUBackend
 

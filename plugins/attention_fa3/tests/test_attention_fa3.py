@@ -25,8 +25,9 @@ from engine.interfaces import AttentionBackend, AttentionLayerSpec, BackendConte
 from engine.memory.kv_pool import KVPool
 from engine.plugins import get_registries
 from engine.registry import BackendUnavailable, IncompatibleOptions, resolve_attention_backend
-from engine.testing import (backend_matches_torch_native, compare_backends_step, free_requests,
-                            greedy_matches_hf, refill_batch, run_mixed_steps, scattered_filler)
+from engine_testing.attention import (backend_matches_torch_native, compare_backends_step,
+                                      refill_batch, run_mixed_steps, scattered_filler)
+from engine_testing.generation import free_requests, greedy_matches_hf
 from engine_attention_fa3 import _factory, check
 from engine_attention_fa3.backend import FA3Backend
 from engine_attention_fa3.metadata import FA3GraphBuffers, FA3Metadata

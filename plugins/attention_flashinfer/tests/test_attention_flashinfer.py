@@ -25,8 +25,9 @@ from engine.interfaces import AttentionLayerSpec, BackendContext
 from engine.memory.kv_pool import KVPool
 from engine.plugins import get_registries
 from engine.registry import IncompatibleOptions
-from engine.testing import (compare_backends_step, free_requests, greedy_matches_hf,
-                            refill_batch, run_mixed_steps, scattered_filler)
+from engine_testing.attention import (compare_backends_step, refill_batch, run_mixed_steps,
+                                      scattered_filler)
+from engine_testing.generation import free_requests, greedy_matches_hf
 from engine_attention_flashinfer import flashinfer_backend, trtllm_backend
 from engine_attention_flashinfer.flashinfer_backend import FlashInferBackend
 from engine_attention_flashinfer.metadata import block_tables, paged_cache, paged_kv

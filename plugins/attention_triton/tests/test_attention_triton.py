@@ -22,9 +22,10 @@ from engine.attention.torch_native import TorchNativeBackend  # noqa: E402
 from engine.device import DeviceInfo  # noqa: E402
 from engine.interfaces import AttentionLayerSpec, BackendContext  # noqa: E402
 from engine.memory.kv_pool import KVPool  # noqa: E402
-from engine.testing import (backend_matches_torch_native, compare_backends_step,  # noqa: E402
-                            free_requests, greedy_matches_hf, scattered_filler)
-from engine.testing import run_mixed_steps as shared_mixed_steps  # noqa: E402
+from engine_testing.attention import (backend_matches_torch_native,  # noqa: E402
+                                      compare_backends_step, scattered_filler)
+from engine_testing.attention import run_mixed_steps as shared_mixed_steps  # noqa: E402
+from engine_testing.generation import free_requests, greedy_matches_hf  # noqa: E402
 from engine_attention_triton import check  # noqa: E402
 from engine_attention_triton.backend import TritonBackend  # noqa: E402
 from engine_attention_triton.kernels import (GRID_X_MAX, GRID_YZ_MAX, block_sizes,  # noqa: E402

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.quality import prefill_logits
 from engine.registry import BackendUnavailable, EngineError, resolve_linear_kernel
 from engine.runner import ModelRunner
-from engine.testing import compare_prompt_logits, greedy_generate, prefill_logits
+from engine_testing.generation import greedy_generate
+from engine_testing.logits import compare_prompt_logits
 from engine_cpu_kernels import kernel as K
 from engine_cpu_kernels import ops
 

@@ -1,8 +1,8 @@
 """Grammar backend 'llguidance' through the checks every backend passes
-(engine.testing_grammar: every constraint kind walked token by token on SmolLM2's and a tiny
-tokenizer, invalid continuations masked, errors at compile time naming the field, "models" that
-only follow the mask emitting valid output), with llguidance's own error messages, and what only
-llguidance does: Lark grammars, and a logits width narrower than the vocabulary refused."""
+(engine_testing.grammar_checks: every constraint kind walked token by token on SmolLM2's and a
+tiny tokenizer, invalid continuations masked, errors at compile time naming the field, "models"
+that only follow the mask emitting valid output), with llguidance's own error messages, and what
+only llguidance does: Lark grammars, and a logits width narrower than the vocabulary refused."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ pytest.importorskip("llguidance", reason="the llguidance library is not installe
                                          "pip install llguidance")
 
 from engine.interfaces import Constraint  # noqa: E402
-from engine.testing_grammar import GrammarBackendChecks, step_mask  # noqa: E402
+from engine_testing.grammar_checks import GrammarBackendChecks, step_mask  # noqa: E402
 from engine_grammar_llguidance.backend import LLGuidanceBackend  # noqa: E402
 
 
 class TestLLGuidance(GrammarBackendChecks):
     factory = LLGuidanceBackend
-    errors = [  # kind, spec, what the message says (after engine.testing_grammar.PARSE_ERRORS)
+    errors = [  # kind, spec, what the message says (after grammar_checks.PARSE_ERRORS)
         ("json_schema", '{"type": "nonsense"}', "Invalid type: nonsense"),
         ("json_schema", '{"$ref": "#/$defs/missing"}', "'/$defs/missing' does not exist"),
         # features llguidance does not support: "not", and look-around in a pattern

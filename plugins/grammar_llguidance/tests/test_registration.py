@@ -1,11 +1,12 @@
 """How the plugin registers (without needing the llguidance library): its name, its priority
 below xgrammar's (the default where both are installed), and check()'s reason when the library
-is missing; the checks are engine.testing_grammar's, shared with the other grammar plugins."""
+is missing; the checks are engine_testing.grammar_checks', shared with the other grammar
+plugins."""
 
 from __future__ import annotations
 
 import engine_grammar_llguidance
-from engine.testing_grammar import GrammarRegistrationChecks
+from engine_testing.grammar_checks import GrammarRegistrationChecks
 
 
 class TestLLGuidanceRegistration(GrammarRegistrationChecks):

@@ -1,5 +1,6 @@
 """engine_grammar_xgrammar is importable from its folder (its tests need no install); the
-tokenizers its tests use come from the repository's root conftest.py."""
+tokenizers its tests use are engine_testing.fixtures' (the repository's root conftest.py
+turns them on)."""
 
 import os
 import sys

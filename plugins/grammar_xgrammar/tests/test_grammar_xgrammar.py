@@ -1,8 +1,8 @@
-"""Grammar backend 'xgrammar' through the checks every backend passes (engine.testing_grammar:
-every constraint kind walked token by token on SmolLM2's and a tiny tokenizer, invalid
-continuations masked, errors at compile time naming the field, "models" that only follow the
-mask emitting valid output), with xgrammar's own error messages, and what only xgrammar does: a
-logits width narrower than the tokenizer's vocabulary."""
+"""Grammar backend 'xgrammar' through the checks every backend passes
+(engine_testing.grammar_checks: every constraint kind walked token by token on SmolLM2's and a tiny
+tokenizer, invalid continuations masked, errors at compile time naming the field, "models" that only
+follow the mask emitting valid output), with xgrammar's own error messages, and what only xgrammar
+does: a logits width narrower than the tokenizer's vocabulary."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ pytest.importorskip("xgrammar", reason="the xgrammar library is not installed: "
                                        "pip install xgrammar")
 
 from engine.interfaces import Constraint  # noqa: E402
-from engine.testing_grammar import GrammarBackendChecks  # noqa: E402
+from engine_testing.grammar_checks import GrammarBackendChecks  # noqa: E402
 from engine_grammar_xgrammar.backend import XGrammarBackend  # noqa: E402
 
 
 class TestXGrammar(GrammarBackendChecks):
     factory = XGrammarBackend
-    errors = [  # kind, spec, what the message says (after engine.testing_grammar.PARSE_ERRORS)
+    errors = [  # kind, spec, what the message says (after grammar_checks.PARSE_ERRORS)
         ("json_schema", '{"type": "nonsense"}', 'Unsupported type "nonsense"'),
         ("json_schema", '{"$ref": "#/$defs/missing"}', "Cannot find field"),
         # a feature xgrammar does not support: look-behind in a string's pattern

@@ -1,11 +1,11 @@
 """How the plugin registers (without needing the xgrammar library): its name, its priority
 over llguidance (the default where installed), and check()'s reason when the library is missing;
-the checks are engine.testing_grammar's, shared with the other grammar plugins."""
+the checks are engine_testing.grammar_checks', shared with the other grammar plugins."""
 
 from __future__ import annotations
 
 import engine_grammar_xgrammar
-from engine.testing_grammar import GrammarRegistrationChecks
+from engine_testing.grammar_checks import GrammarRegistrationChecks
 
 
 class TestXGrammarRegistration(GrammarRegistrationChecks):

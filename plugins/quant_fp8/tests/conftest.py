@@ -21,7 +21,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def forced():
-    from engine.testing import teacher_forced_logits
+    from engine_testing.logits import teacher_forced_logits
 
     return lambda runner, prompts: teacher_forced_logits(runner, prompts, PREFILL)
 

@@ -12,7 +12,7 @@ from engine.interfaces import KVDtype
 from engine.memory.kv_pool import KVPool
 from engine.plugins import get_registries, load_plugins
 from engine.registry import resolve_attention_backend, resolve_quantization
-from engine.testing import load_float_weight
+from engine_testing.weights import load_float_weight
 from engine_cli.main import cli
 from engine_quant_fp8.kv import FP8KVDtype
 from engine_quant_fp8.linear import FP8Linear

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine
 from engine.registry import EngineError
-from engine.testing import load_float_weight
+from engine_testing.weights import load_float_weight
 from engine_quant_int8 import kernels
 from engine_quant_int8.linear import Int8Linear
 from engine_quant_int8.method import kernel_reason
@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
 
 
 def forced(runner, prompts):
-    from engine.testing import teacher_forced_logits
+    from engine_testing.logits import teacher_forced_logits
 
     return teacher_forced_logits(runner, prompts, PREFILL)
 

@@ -1,8 +1,9 @@
 """For grammar backends' tests (plugins/grammar_*/tests): the checks every GrammarBackend must
 pass, written once. A plugin's test module subclasses ``GrammarBackendChecks`` with its factory
 and its own error messages, and ``GrammarRegistrationChecks`` with its registration; pytest
-collects the inherited tests in each subclass. The tokenizers come from the root conftest's
-``smollm2_tokenizer`` (the default model's) and ``tiny_tokenizer`` (a tiny trained one)."""
+collects the inherited tests in each subclass. The tokenizers come from the fixtures
+``smollm2_tokenizer`` (the default model's) and ``tiny_tokenizer`` (a tiny trained one) of
+``engine_testing.fixtures``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""Tiny checkpoints for tests and benchmarks: a byte-level BPE tokenizer trained offline on text
+that ships with Python, and tiny random-init Hugging Face models saved as real checkpoints."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import functools
+import importlib
+import inspect
+import io
+import json
+import os
+
+import torch
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CORPUS_MODULES = ("os", "json", "re", "collections", "functools", "itertools",
+                  "argparse", "logging", "textwrap", "string", "pathlib", "dataclasses",
+                  "inspect", "unittest", "subprocess", "shutil", "contextlib", "heapq")
+CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def corpus() -> list[str]:
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        import this
+    texts = [codecs.decode(this.s, "rot13")]
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        texts.append(module.__doc__ or "")
+        for _, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) else None
+            if doc:
+                texts.append(doc)
+    return [t for t in texts if t]
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
+    return tok.to_str()
+
+
+def train_tokenizer(out_dir: str, vocab_size: int = 512) -> str:
+    """Write a byte-level BPE tokenizer (HF PreTrainedTokenizerFast files) into ``out_dir``;
+    ids 0, 1, 2 are <s>, </s>, <pad>. Trained once per process and vocab size."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+        f.write(_tokenizer_json(vocab_size))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+              "pad_token": PAD, "add_bos_token": True, "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, f, indent=2)
+    return out_dir
+
+# name -> (architecture, config overrides): the cases the HF-equivalence tests cover
+TINY_CASES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral_window": ("MistralForCausalLM", {"sliding_window": 12}),
+    "qwen2_bias_window": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
+                                               "max_window_layers": 1}),
+    "qwen3_qk_norm": ("Qwen3ForCausalLM", {}),
+    "llama_tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3_rope": ("LlamaForCausalLM", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+}
+
+
+def tiny_config_kwargs(arch: str, vocab_size: int = 512) -> dict:
+    kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
+              bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    if arch == "Qwen3ForCausalLM":
+        kw["head_dim"] = 48  # != hidden/heads, as in real Qwen3 checkpoints
+    return kw
+
+
+def make_tiny_model(out_dir: str, arch: str = "LlamaForCausalLM", *, seed: int = 0,
+                    save_dtype: torch.dtype = torch.float32, **config_overrides) -> str:
+    """Save a random-init HF ``arch`` checkpoint (safetensors + tokenizer) in ``out_dir``."""
+    import transformers
+
+    kw = {**tiny_config_kwargs(arch, config_overrides.pop("vocab_size", 512)), **config_overrides}
+    config = getattr(transformers, CONFIG_CLASSES[arch])(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    # HF initializes norms to 1 and biases to 0; perturb them so loading them is tested
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * config.initializer_range)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.to(save_dtype).save_pretrained(out_dir, safe_serialization=True)
+    train_tokenizer(out_dir, config.vocab_size)
+    return out_dir

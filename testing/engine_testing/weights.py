@@ -1,0 +1,27 @@
+"""Weights in and out of layers as tests need them: a float weight fed to a quantized layer as
+the loader would, and a state dict with oneDNN-prepacked weights made plain again."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_float_weight(layer, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Feed a float ``weight`` [out, in] (and ``bias``) to a quantized layer (RowQuantLinear)
+    as the loader would: one tensor per projection when the layer packs several. The caller
+    finishes loading."""
+    if layer.shards:
+        start = 0
+        for name, rows in layer.shards.items():
+            layer.load_tensor("weight", weight[start:start + rows], name)
+            start += rows
+    else:
+        layer.load_tensor("weight", weight, None)
+    if bias is not None:
+        layer.load_tensor("bias", bias, None)
+    return layer
+
+
+def dense_state_dict(model) -> dict:
+    """``model.state_dict()`` with oneDNN-prepacked weights turned back into plain tensors."""
+    return {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
