@@ -117,7 +117,7 @@ def test_a_failure_in_rank_0s_forward_fails_the_batch_not_the_engine(models, whe
     finished that forward, the group is in step: the error is the batch's, and the engine goes
     on as one process would. If rank 0 raised before its collectives, the workers wait in one
     rank 0 left: that is fatal, and said so."""
-    from engine.parallel.executor import RankFailed
+    from engine.ranks.executor import RankFailed
 
     engine = Engine(models["qwen2_gqa"], **BASE, tp_size=2, max_total_tokens=4096)
     try:
@@ -158,7 +158,7 @@ def test_a_worker_that_cannot_join_is_named_at_once(models, monkeypatch, tmp_pat
     (not after --dist-timeout)."""
     import time
 
-    from engine.parallel import launch
+    from engine.ranks import launch
 
     script = tmp_path / "dies.py"
     script.write_text("import sys\nsys.exit(3)\n")

@@ -123,7 +123,7 @@ def test_a_replicas_tp_ranks_share_the_cores_it_was_given(monkeypatch):
     import torch
 
     from engine.device import DeviceInfo
-    from engine.parallel.launch import set_threads
+    from engine.ranks.world import set_threads
     from engine.parallel.topology import Topology
 
     cpu = DeviceInfo("cpu", "CPU")

@@ -105,13 +105,14 @@ def plugins_command(ctx, as_json):
     help="What the plugin adds.")
 @click.option("--dir", "parent", default=".", show_default=True,
               type=click.Path(file_okay=False), help="Where to create the package's folder.")
-def new_command(name, kind, parent):
+@click.pass_context
+def new_command(ctx, name, kind, parent):
     """Write a ready-to-install plugin package NAME (pyproject with the entry point, the hook
     implementation, a README and a test) into a new folder engine-NAME."""
     from engine_cli.scaffold import ScaffoldError, write_package
 
     try:
-        folder = write_package(name, kind, parent)
+        folder = write_package(name, kind, parent, ctx.find_root().command.commands)
     except ScaffoldError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"Wrote {folder}. Next:\n  pip install -e {folder}\n  engine plugins\n"

@@ -33,8 +33,9 @@ class ScaffoldError(EngineError, ValueError):
     pass
 
 
-def check_name(name: str, kind: str) -> None:
-    """Refuse a name that is not a lowercase identifier, or that something installed has."""
+def check_name(name: str, kind: str, commands=()) -> None:
+    """Refuse a name that is not a lowercase identifier, or that something installed has;
+    ``commands``: the names the `engine` group's subcommands already have."""
     if not NAME_RE.fullmatch(name) or len(name) > MAX_NAME or keyword.iskeyword(name):
         raise ScaffoldError(
             f"'{name}' is not a plugin name: use lowercase letters and digits, words joined by "
@@ -55,12 +56,9 @@ def check_name(name: str, kind: str) -> None:
     if name in registry:
         raise ScaffoldError(f"{registry.kind} '{name}' is already registered by "
                             f"{registry.get(name).origin}; pick another name.")
-    if kind == "command":
-        from engine_cli.main import cli
-
-        if name.replace("_", "-") in cli.commands:
-            raise ScaffoldError(f"`engine {name.replace('_', '-')}` already exists; pick "
-                                f"another name.")
+    if kind == "command" and name.replace("_", "-") in commands:
+        raise ScaffoldError(f"`engine {name.replace('_', '-')}` already exists; pick "
+                            f"another name.")
 
 
 def render(template: str, values: dict) -> str:
@@ -68,12 +66,13 @@ def render(template: str, values: dict) -> str:
     return Template(text).substitute(values)
 
 
-def write_package(name: str, kind: str, parent: str = ".") -> Path:
+def write_package(name: str, kind: str, parent: str = ".", commands=()) -> Path:
     """Write engine-NAME/ under ``parent``: pyproject.toml (setuptools, the "engine" entry
-    point), README.md, engine_NAME/__init__.py and tests/test_NAME.py. Returns the folder."""
+    point), README.md, engine_NAME/__init__.py and tests/test_NAME.py. Returns the folder.
+    ``commands``: the `engine` group's subcommand names, which a command plugin must not take."""
     if kind not in KINDS:
         raise ScaffoldError(f"--kind {kind!r}: use one of {', '.join(KINDS)}.")
-    check_name(name, kind)
+    check_name(name, kind, commands)
     dist = "engine-" + name.replace("_", "-")
     folder = Path(parent) / dist
     if folder.exists():

@@ -93,7 +93,7 @@ def serve_command(**kwargs):
 
 def _serve_node(config: dict, log_level: str) -> None:
     from engine.config import EngineConfig
-    from engine.parallel.launch import serve_node
+    from engine.ranks.launch import serve_node
     from engine.registry import EngineError
 
     try:

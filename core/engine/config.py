@@ -57,7 +57,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None  # the exact sizes to capture
     disable_cuda_graph: bool = False
-    # parallelism: tp_size x pp_size ranks (worker processes; engine/parallel), over nnodes
+    # parallelism: tp_size x pp_size ranks (worker processes; engine/ranks), over nnodes
     # nodes that meet at dist_init_addr (host:port); dp_size replicas are the router's (one
     # Engine is one replica)
     tp_size: int = 1

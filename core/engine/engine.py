@@ -48,8 +48,8 @@ class Engine:
         hf_config = model_config.hf_config
         self.parallel = None  # (strategy, what every node must agree on) with tp x pp > 1
         if config.tp_size * config.pp_size > 1:
-            from engine.parallel.launch import check_model_splits
-            from engine.parallel.rendezvous import fingerprint
+            from engine.ranks.launch import check_model_splits
+            from engine.ranks.rendezvous import fingerprint
 
             check_model_splits(config, model_config)
             self.parallel = (resolve_parallel_strategy(regs, config.parallel_strategy,
@@ -93,8 +93,8 @@ class Engine:
                                                 kv_entry, quant_entry)
             device, weights = self.device, runner.weight_bytes
             kv_per_token = runner.kv_bytes_per_token()
-        else:  # rank 0 of tp x pp ranks: the runner drives the workers (engine/parallel)
-            from engine.parallel.launch import start_rank0
+        else:  # rank 0 of tp x pp ranks: the runner drives the workers (engine/ranks)
+            from engine.ranks.launch import start_rank0
 
             strategy, agreed = self.parallel
             self.runner = runner = start_rank0(

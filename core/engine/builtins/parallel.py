@@ -1,5 +1,5 @@
 """Parallel strategies: the torch.distributed backends the tp/pp ranks talk through, gloo on
-CPU and nccl on CUDA (engine/parallel). A plugin may register another torch.distributed
+CPU and nccl on CUDA (engine/ranks). A plugin may register another torch.distributed
 backend the same way (a TorchDistributed with its name and device type)."""
 
 from engine.hookspecs import hookimpl

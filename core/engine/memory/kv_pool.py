@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from engine.host import long_tensor, to_device
-from engine.interfaces import KVDtype
+from engine.memory.kv_dtype import KVDtype
 
 
 class KVPool:

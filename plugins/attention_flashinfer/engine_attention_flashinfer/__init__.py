@@ -4,9 +4,8 @@ import importlib.util
 
 from engine import hookimpl
 from engine.interfaces import EngineOption
+from engine_attention_flashinfer.limits import HALF, TRTLLM_PAGE_SIZES
 
-HALF = ("float16", "bfloat16")  # the model dtypes the kernels take (auto skips float32 models)
-TRTLLM_PAGE_SIZES = (16, 32, 64)  # what trtllm-gen's paged kernels take
 NEEDS_PACKAGE = ("needs the flashinfer-python package: "
                  "pip install 'engine-attention-flashinfer[cuda]'")
 

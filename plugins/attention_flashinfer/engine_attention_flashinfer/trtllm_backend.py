@@ -19,10 +19,10 @@ from engine.interfaces import AttentionBackend, BackendContext
 from engine.registry import IncompatibleOptions
 
 from engine_attention_flashinfer.flashinfer_backend import require_half
+from engine_attention_flashinfer.limits import TRTLLM_PAGE_SIZES as PAGE_SIZES  # KV tiles
 from engine_attention_flashinfer.metadata import (BlockTables, block_tables, page_table,
                                                   paged_cache, window_left)
 
-from engine_attention_flashinfer import TRTLLM_PAGE_SIZES as PAGE_SIZES  # the kernels' KV tiles
 # counters, then multi-CTA partial results (which grow with batch x heads): SGLang's default
 WORKSPACE_BYTES = 512 << 20
 

@@ -1,4 +1,5 @@
-"""The int8 GEMMs behind Int8Linear, with per-token activation scales.
+"""The int8 GEMMs behind Int8Linear, with per-token activation scales, and which of them runs
+on a device (``kernel_for``: the method picks it, the layer quantizes its weights for it).
 
 All of them compute ``y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] * q_w[n, k]``: symmetric int8
 weights with one scale per output row, activations quantized per token (row of x).
@@ -21,11 +22,13 @@ weights with one scale per output row, activations quantized per token (row of x
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
-from engine.layers.linear import fbgemm_available  # noqa: F401  (kernels.fbgemm_available)
+from engine.layers.linear import fbgemm_available
+from engine.registry import EngineError
 
 MIN_SCALE = 1e-12  # an all-zero token quantizes to zeros instead of 0 / 0
 FENCE = torch.tensor([1.0, -1.0])
@@ -33,6 +36,26 @@ INT_MM_MIN_ROWS = 17
 # AVX2 multiplies uint8 activations by int8 weights in pairs summed into int16
 # (vpmaddubsw), which saturates above 32767: 2 * 255 * 64 = 32640 cannot, 2 * 255 * 127 can.
 FBGEMM_WEIGHT_QMAX = 64
+KERNEL_LOG = {
+    "fbgemm": "fbgemm int8 GEMM (torch.ops.quantized.linear_dynamic), weights prepacked at "
+              "load, activations int8 per token",
+    "int_mm": "torch._int_mm int8 GEMM, activations int8 per token",
+}
+KERNEL_ENV = "ENGINE_INT8_KERNEL"  # force "fbgemm" or "int_mm" (comparisons, tests)
+
+
+def kernel_for(device: torch.device) -> str | None:
+    """The kernel Int8Linear runs on ``device`` (KERNEL_ENV forces one), None where none runs."""
+    forced = os.environ.get(KERNEL_ENV)
+    if forced:
+        if forced not in KERNEL_LOG:
+            raise EngineError(f"{KERNEL_ENV}={forced!r}: use one of {', '.join(KERNEL_LOG)}.")
+        return forced
+    if device.type == "cpu":
+        return "fbgemm" if fbgemm_available() else None
+    if device.type == "cuda":
+        return "int_mm"
+    return None
 
 
 def quantize_rows(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:

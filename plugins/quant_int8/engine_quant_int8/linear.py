@@ -21,9 +21,7 @@ class Int8Linear(RowQuantLinear):
         self.reduce_range = False  # fbgemm: 7-bit activations (full-range checkpoint weights)
 
     def quantize_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from engine_quant_int8.method import kernel_for
-
-        qmax = kernels.FBGEMM_WEIGHT_QMAX if kernel_for(w.device) == "fbgemm" else 127
+        qmax = kernels.FBGEMM_WEIGHT_QMAX if kernels.kernel_for(w.device) == "fbgemm" else 127
         return kernels.quantize_rows(w, qmax)
 
     def prepare(self, kernel: str) -> None:

@@ -9,45 +9,21 @@ is loaded as it is. The embedding and the LM head stay in the model dtype, as in
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from engine.interfaces import QuantMethod
 from engine.layers.quantized import swap_quantizable
-from engine.registry import EngineError
 from engine_quant_int8 import kernels
 from engine_quant_int8.linear import Int8Linear
 
 logger = logging.getLogger("engine")
 
-KERNEL_LOG = {
-    "fbgemm": "fbgemm int8 GEMM (torch.ops.quantized.linear_dynamic), weights prepacked at "
-              "load, activations int8 per token",
-    "int_mm": "torch._int_mm int8 GEMM, activations int8 per token",
-}
-
-
-KERNEL_ENV = "ENGINE_INT8_KERNEL"  # force "fbgemm" or "int_mm" (comparisons, tests)
-
-
-def kernel_for(device: torch.device) -> str | None:
-    forced = os.environ.get(KERNEL_ENV)
-    if forced:
-        if forced not in KERNEL_LOG:
-            raise EngineError(f"{KERNEL_ENV}={forced!r}: use one of {', '.join(KERNEL_LOG)}.")
-        return forced
-    if device.type == "cpu":
-        return "fbgemm" if kernels.fbgemm_available() else None
-    if device.type == "cuda":
-        return "int_mm"
-    return None
-
 
 def kernel_reason(device) -> str | None:
     """None when w8a8_int8 runs on ``device`` (a DeviceInfo), else why not."""
     dev = torch.device(device.torch_device)
-    if kernel_for(dev) is not None:
+    if kernels.kernel_for(dev) is not None:
         return None
     if dev.type == "cpu":
         return ("this torch build has no fbgemm/x86 quantized engine "
@@ -75,11 +51,11 @@ class W8A8Int8Method(QuantMethod):
     def process_weights(self, module) -> None:
         if not isinstance(module, Int8Linear):
             return
-        kernel = kernel_for(module.weight.device)
+        kernel = kernels.kernel_for(module.weight.device)
         module.prepare(kernel)
         if not self._logged:
             self._logged = True
-            logger.info(f"w8a8_int8 linear layers: {KERNEL_LOG[kernel]}")
+            logger.info(f"w8a8_int8 linear layers: {kernels.KERNEL_LOG[kernel]}")
         if module.reduce_range and not self._reduced:
             self._reduced = True
             logger.info("w8a8_int8: the checkpoint's int8 weights use the full [-127, 127] "

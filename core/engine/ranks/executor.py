@@ -22,10 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.parallel import rendezvous
-from engine.parallel.launch import RankContext, exited, stop_processes
-from engine.parallel.messages import BatchMessage
-from engine.parallel.pipeline import receive_logits, run_stage
+from engine.ranks import rendezvous
+from engine.ranks.messages import BatchMessage
+from engine.ranks.pipeline import receive_logits, run_stage
+from engine.ranks.world import RankContext, exited, stop_processes
 from engine.registry import EngineError
 
 logger = logging.getLogger("engine.parallel")

@@ -1,5 +1,5 @@
 """A tp/pp rank other than 0: join, build this rank's shard, then do what rank 0 says, in
-lockstep with it (``python -m engine.parallel.worker RANK SPEC``, started by launch.py).
+lockstep with it (``python -m engine.ranks.worker RANK SPEC``, started by launch.py).
 
 Messages (broadcast by rank 0 on the control group): ``("kv_pool", kwargs)`` sizes the pool
 like rank 0's; ``("graphs", sizes)`` captures the same CUDA graphs; ``("forward",
@@ -15,11 +15,20 @@ import os
 import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 
-from engine.parallel import rendezvous
-from engine.parallel.launch import RankContext, join_world, set_threads, topology
-from engine.parallel.pipeline import run_stage
+from engine.config import EngineConfig
+from engine.device import detect_device
+from engine.models import default
+from engine.models.checkpoint import open_checkpoint
+from engine.models.config import ModelConfig
+from engine.plugins import get_registries
+from engine.ranks import rendezvous
+from engine.ranks.pipeline import run_stage
+from engine.ranks.world import RankContext, join_world, set_threads, topology
+from engine.registry import resolve_parallel_strategy
+from engine.runner import build_runner
 
 logger = logging.getLogger("engine.parallel")
 
@@ -27,16 +36,6 @@ logger = logging.getLogger("engine.parallel")
 def build_rank(config, rank: int, store, resolved: dict):
     """(RankContext, ModelRunner) of ``rank``, with the names rank 0 resolved (``resolved``:
     attention_backend, quantization, page_size)."""
-    import torch
-
-    from engine.device import detect_device
-    from engine.models.checkpoint import open_checkpoint
-    from engine.models import default
-    from engine.models.config import ModelConfig
-    from engine.plugins import get_registries
-    from engine.registry import resolve_parallel_strategy
-    from engine.runner import build_runner
-
     topo = topology(config)
     regs = get_registries()
     if config.device != "cpu" and torch.cuda.is_available():
@@ -107,8 +106,6 @@ def run(config, rank: int, host: str, port: int, resolved: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from engine.config import EngineConfig
-
     rank, spec = int(argv[0]), json.loads(argv[1])
     config = EngineConfig(**spec["config"])
     topo = topology(config)
