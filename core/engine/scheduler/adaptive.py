@@ -35,6 +35,18 @@ the predicted *peak* of that usage, with it added, fits the pool:
   over the mean running request's length, and that comes back down as requests finish
   (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
   machine; no wall-clock hold).
+- Pacing: requests of one length admitted together finish together, and a pool filled in
+  lockstep is on average only (prompt + L/2) / (prompt + L) used (0.55 for prompts of 28 and
+  L = 256), where requests spread over their lifetimes keep it nearly full. Admitting only what
+  fits the peak cannot break such a cohort; SGLang's schedule breaks it by overcommitting and
+  retracting. ``auto`` paces instead: the plan also predicts, per bin of the horizon grid, how
+  many requests will finish there (q's drops), and a candidate is admitted only if the
+  expected number of requests finishing in its bin, itself included, stays within PACE_SLACK x
+  the steady-state rate: the pool's tokens / a request's expected token-steps (prompt x E[L] +
+  E[L^2] / 2), x the bin's width. Requests whose lengths spread (chat) never come near it;
+  equal lengths are admitted a few per bin, so that they finish spread out. It applies once
+  PACE_MIN_FINISHED requests finished (before that the curve is only its prior, which says
+  every request runs to max_new_tokens).
 """
 
 from __future__ import annotations
@@ -59,6 +71,8 @@ RISK_DECAY = 1 / 16  # ... which falls by this share per request that finishes
 CALIBRATION_DECAY = 0.9  # per step with a plan: finishes seen vs predicted, over ~10 steps ...
 CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of each
 HAZARD_MIN = 0.05
+PACE_SLACK = 1.5  # a finish-time bin may hold this x its steady-state share of finishes ...
+PACE_MIN_FINISHED = 8  # ... once this many requests finished (the curve is evidence, not prior)
 
 
 def make_ratio(conservativeness):
@@ -112,8 +126,10 @@ class PeakPlan:
     room left, i.e. when the new peak fits the pool); ``admitted``: it was.
     """
 
-    def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float):
+    def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float,
+                 capacity: float | None = None):
         self.curve, self.z, self.risk = curve, z, risk
+        self.capacity = capacity  # the pool's tokens: pacing (None: no pacing)
         self.rows = rows
         self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
         self._build()
@@ -123,17 +139,18 @@ class PeakPlan:
     def _build(self) -> None:
         self.t = np.linspace(0.0, self.horizon, GRID)
         self.t_next = np.append(self.t[1:], self.horizon)
-        self.mean, self.var = self.moments(self.rows)
+        self.mean, self.var, self.finishes = self.moments(self.rows)
         self.peak = self._peak(self.mean, self.var)
 
     def moments(self, rows: Rows):
-        """E and Var of the usage change at each horizon, summed over ``rows``. Alive at t
+        """E and Var of the usage change at each horizon, summed over ``rows``, and the
+        expected finishes per bin [t_j, t_j+1) (the last bin: from t_last on). Alive at t
         (probability q) a request holds ``start`` + t more slots than now; finished, it gave
         back ``own`` (a running request: start 0; a candidate: start = its prompt, own 0).
         The mean includes the model risk: ``risk`` x (1 - q) x the slots it would hold if it
         ran on, summed over requests (the curve misleads about all of them at once)."""
         if len(rows.p) == 0:
-            return np.zeros(GRID), np.zeros(GRID)
+            return np.zeros(GRID), np.zeros(GRID), np.zeros(GRID)
         t = self.t[None, :]
         s_now = self.curve(rows.p)
         s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
@@ -147,7 +164,9 @@ class PeakPlan:
         mean = q * spread - rows.own[:, None]
         var = q * (1 - q) * spread ** 2
         gap = np.where(live, (1 - q) * spread, 0.0)
-        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0)
+        qs = q.sum(0)
+        finishes = np.append(qs[:-1] - qs[1:], qs[-1])
+        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0), finishes
 
     def _peak(self, mean, var) -> float:
         return float(max((mean + self.z * np.sqrt(var)).max(), 0.0))
@@ -159,10 +178,36 @@ class PeakPlan:
         if cand.rem[0] > self.horizon:  # it may run longer than any running request: widen
             self.horizon = float(cand.rem[0])
             self._build()
-        mean, var = self.moments(cand)
-        self._last = (req, extend, cand, mean, var)  # ``admitted`` adds these
+        mean, var, finishes = self.moments(cand)
+        self._last = (req, extend, cand, mean, var, finishes)  # ``admitted`` adds these
+        if self.crowded(cand, finishes):
+            return float("inf")  # not this step: it would finish in a crowd
         # against the peak already promised (a wider grid may have moved self.peak)
         return self._peak(self.mean + mean, self.var + var) - self.committed - extend
+
+    def pace(self, cand: Rows) -> float | None:
+        """The finishes a bin may hold (PACE_SLACK x the steady-state rate x the bin's
+        width), for requests like ``cand``; None without pacing."""
+        if self.capacity is None:
+            return None
+        grid = np.linspace(0.0, 1.0, 257)
+        s = self.curve(grid)
+        dx = np.diff(grid)
+        m = float(cand.m[0])
+        length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
+        square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]: 2x S(x)
+        area = float(cand.start[0]) * length + square / 2  # token-steps of one request
+        width = self.horizon / (GRID - 1)
+        return PACE_SLACK * self.capacity * width / max(area, 1.0)
+
+    def crowded(self, cand: Rows, finishes: np.ndarray) -> bool:
+        """Whether the requests expected to finish in ``cand``'s bins (weighted by its own
+        finish probability there, itself included) exceed the pace."""
+        pace = self.pace(cand)
+        if pace is None:
+            return False
+        crowd = float((finishes * (self.finishes + finishes)).sum())
+        return crowd > max(pace, 1.0)
 
     def admitted(self, req, extend: int) -> None:
         if not req.params.max_new_tokens:
@@ -170,9 +215,10 @@ class PeakPlan:
         last = getattr(self, "_last", None)
         if last is None or last[0] is not req or last[1] != extend:
             self.reservation(req, extend)
-        _, _, cand, mean, var = self._last
+        _, _, cand, mean, var, finishes = self._last
         self.rows = self.rows.plus(cand)
         self.mean, self.var = self.mean + mean, self.var + var
+        self.finishes = self.finishes + finishes
         self.peak = self._peak(self.mean, self.var)
         self.committed = self.peak
 
@@ -292,12 +338,15 @@ class AdaptiveRatio:
         return float(np.where(now > 0, 1 - nxt / np.where(now > 0, now, 1.0), 0.0).sum())
 
     # -- the scheduler's interface -------------------------------------------------------------
-    def plan(self, running) -> PeakPlan:
+    def plan(self, running, capacity: int | None = None) -> PeakPlan:
+        """This step's admission; ``capacity`` (the pool's tokens) turns pacing on once
+        PACE_MIN_FINISHED requests finished."""
         rows = Rows.of(running)
         curve = self.curve(rows)
         self.z = self.priced_z(curve, rows)
         pending = float(sum(r.seq_len - r.alloc_len for r in running if r.seq_len > r.alloc_len))
-        plan = PeakPlan(curve, rows, pending, self.z, self.risk)
+        pacing = capacity if len(self.done_share) >= PACE_MIN_FINISHED else None
+        plan = PeakPlan(curve, rows, pending, self.z, self.risk, pacing)
         # the calibration compares the uncalibrated curve's prediction with what happens
         self._predicted_now = self._expected_finishes(curve, rows) / self.hazard
         self._finished_now = 0  # the finishes of this step's forward are what it predicted

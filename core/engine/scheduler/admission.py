@@ -34,8 +34,9 @@ class NewTokenRatio:
         """Slots held back for ``req``'s tokens still to come."""
         return reservable_tokens(req) * self.value
 
-    def plan(self, running) -> SumPlan:
-        """This step's admission: every request's reservation, summed."""
+    def plan(self, running, capacity: int | None = None) -> SumPlan:
+        """This step's admission: every request's reservation, summed (``capacity``, the
+        pool's tokens, is for adaptive.py's pacing: the fixed schedule does not pace)."""
         return SumPlan(self, running)
 
     def step(self) -> None:

@@ -162,7 +162,8 @@ class Scheduler:
         if (not self.waiting or len(self.running) >= self.sizing.max_running_requests
                 or prefill.budget.take(1) == 0 or self.kv.pool.free_reqs == 0):
             return prefill
-        prefill.plan = self.ratio.plan(self.running)  # what the running requests hold back
+        # what the running requests hold back
+        prefill.plan = self.ratio.plan(self.running, capacity=self.kv.pool.size)
         prefill.reserve = prefill.plan.held
         if self.kv.available() - prefill.reserve < 1 and (self.running or prefill.chunks):
             return prefill
