@@ -21,6 +21,7 @@ at each replay).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -29,6 +30,9 @@ import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.attention import forward_context
+from engine.registry import EngineError
+
+logger = logging.getLogger("engine")
 
 WARMUP_RUNS = 2  # eager forwards before a capture: Triton compiles, cuBLAS picks its kernels
 
@@ -189,3 +193,36 @@ def measure_cuda_memory():
     torch.cuda.synchronize()
     after = torch.cuda.mem_get_info()[0]
     info.update(used=info["before"] - after, free=after)
+
+
+def capture_decode_graphs(runner, config, device, sizing, backend_name: str) -> str:
+    """Capture the decode graphs when they apply (up to ``sizing.cuda_graph_max_bs``);
+    returns the start log's line about them."""
+    max_bs = sizing.cuda_graph_max_bs
+    if not device.is_cuda:
+        return "cuda graph: off (CUDA graphs need a CUDA GPU; this is a CPU)"
+    if config.disable_cuda_graph:
+        return "cuda graph: off (--disable-cuda-graph)"
+    if config.pp_size > 1:
+        return ("cuda graph: off (--pp-size > 1: a stage's forward waits on another "
+                "rank's activations, which a captured graph cannot)")
+    if not runner.backend.supports_cuda_graph:
+        return (f"cuda graph: off (attention backend {backend_name} cannot run "
+                f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
+    sizes = [s for s in capture_sizes(max_bs, config.cuda_graph_bs) if s <= max_bs]
+    gb = 1 << 30
+    try:
+        with measure_cuda_memory() as mem:
+            logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
+                        f"avail mem={mem['before'] / gb:.2f} GB")
+            seconds = runner.init_cuda_graphs(sizes)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if "out of memory" not in str(e):
+            raise
+        raise EngineError(
+            f"CUDA graph capture ran out of GPU memory ({len(sizes)} sizes up to {max_bs} "
+            f"requests): lower --mem-fraction-static (now {sizing.mem_fraction_static}) or "
+            f"--cuda-graph-max-bs, or pass --disable-cuda-graph.") from None
+    logger.info(f"Capture cuda graph end. Time elapsed: {seconds:.2f} s. "
+                f"mem usage={mem['used'] / gb:.2f} GB. avail mem={mem['free'] / gb:.2f} GB.")
+    return f"cuda graph: on, captured bs {sizes}"

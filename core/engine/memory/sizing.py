@@ -97,6 +97,12 @@ def cuda_graph_max_bs(config, device) -> int:
     return config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
 
 
+def default_max_running_requests(max_total_tokens: int, kind: str) -> int:
+    """--max-running-requests when not given, on a ``kind`` ("cuda", "cpu") device: half the
+    KV pool's tokens, at most the request pool's rows."""
+    return max(1, min(max_total_tokens // 2, REQUEST_POOL_SIZE[kind]))
+
+
 def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: str,
          model_context_len: int, reference_kv: tuple[str, int] | None = None,
          graph_bytes=None) -> SizingReport:
@@ -141,7 +147,7 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     if total < page:
         raise EngineError(f"--max-total-tokens {total} is smaller than one page "
                           f"(--page-size {page}).")
-    max_running = config.max_running_requests or max(1, min(total // 2, REQUEST_POOL_SIZE[kind]))
+    max_running = config.max_running_requests or default_max_running_requests(total, kind)
     graph_bs = min(graph_bs, max_running)
     reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
     chunk = config.chunked_prefill_size

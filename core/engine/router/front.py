@@ -130,7 +130,7 @@ class Router:
         except httpx.HTTPError:
             return
         if resp.status_code == 200 and r.proc.poll() is None:
-            self.set.readmit(r)
+            r.mark_healthy()
             self.forgotten.discard(r.rank)  # its next death is told to the policy again
 
     async def forward(self, request: Request) -> Response:

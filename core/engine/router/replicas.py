@@ -155,6 +155,15 @@ class Replica:
                      f"rotation and its traffic moves to the other replicas")
         return True
 
+    def mark_healthy(self) -> None:
+        """Its process answers /health 200: back into rotation (if it was out)."""
+        with self._lock:
+            if self.alive:
+                return
+            self.alive, self.error, self.up_since = True, None, time.monotonic()
+        logger.warning(f"dp rank {self.rank} ({self.url}, pid {self.proc.pid}) is healthy "
+                       f"again: back in rotation")
+
 
 class ReplicaSet:
     """Starts ``dp_size`` replicas of ``engine serve <args>``; ``stop()`` ends them.
@@ -259,15 +268,6 @@ class ReplicaSet:
                 r.restarts += 1
                 r.error = f"restarting (restart {r.restarts}), not healthy yet"
                 self._spawn(r)
-
-    def readmit(self, r: Replica) -> None:
-        """``r``'s process answers /health 200: back into rotation."""
-        with r._lock:
-            if r.alive:
-                return
-            r.alive, r.error, r.up_since = True, None, time.monotonic()
-        logger.warning(f"dp rank {r.rank} ({r.url}, pid {r.proc.pid}) is healthy again: back "
-                       f"in rotation")
 
     def recovering(self) -> list[Replica]:
         """Out of rotation with a process running: the ones to probe for health."""

@@ -68,7 +68,7 @@ class SamplingBatch:
     infos: list[RowInfo]
     lengths: list[int]  # per row, its output tokens before this step's one
     penalties: PenaltyTable | None  # the rows using a penalty, with the tokens they have seen
-    # derived from infos (_derive)
+    # derived from infos (derive)
     all_greedy: bool = True
     any_greedy: bool = False
     filter_rows: torch.Tensor | None = None  # rows that use top-k, top-p or min-p
@@ -159,7 +159,7 @@ class SamplingBatch:
             penalties=penalties,
         )
         if derive:
-            batch._derive()
+            batch.derive()
         return batch
 
     def take(self, order: list[int], derive: bool = True) -> SamplingBatch:
@@ -181,7 +181,7 @@ class SamplingBatch:
                               self.ints.index_select(0, index), self.greedy.index_select(0, index),
                               infos, [self.lengths[i] for i in order], penalties)
         if derive:
-            batch._derive()
+            batch.derive()
         return batch
 
     @staticmethod
@@ -192,10 +192,10 @@ class SamplingBatch:
                               a.infos + b.infos, a.lengths + b.lengths,
                               PenaltyTable.concat(a.penalties, b.penalties, a.size))
         if derive:
-            batch._derive()
+            batch.derive()
         return batch
 
-    def _derive(self) -> None:
+    def derive(self) -> None:
         """The flags and row lists the sampler branches on, from the rows' infos."""
         infos, device = self.infos, self.device
 
@@ -290,7 +290,7 @@ class SamplingState:
         order = [s if s >= 0 else len(kept) + ~s for s in slots]
         if order != list(range(len(order))):
             merged = merged.take(order, derive=False)
-        merged._derive()
+        merged.derive()
         merged.allowed = None
         self.current, self.reqs = merged, list(reqs)
         self.rows_built += len(new)

@@ -31,6 +31,7 @@ from engine.scheduler.admission import StepPrefill
 from engine.scheduler.grammar import wait_for_compiles
 from engine.scheduler.prompt_logprobs import all_logits_needed, record
 from engine.scheduler.request import Req, Status
+from engine.scheduler.step_batch import rows_to_sample, scored_done
 from engine.stats import is_out_of_memory
 
 
@@ -95,9 +96,9 @@ class OverlapSchedule:
         if not s.kv.ensure_free(s.kv.decode_slots_needed(decodes)):
             # retract only with nothing in flight: drain it, then a synchronous step
             return self.drain() + s.sync_step()
-        failed = s._fail_grammars()
+        failed = s.finish_failed_grammars()
         s.kv.grow_decodes(decodes)
-        prefill = s._admit(len(decodes))
+        prefill = s.admit_prompts(len(decodes))
         job = self._submit(decodes, prefill, pending) if decodes or prefill.chunks else None
         self.inflight = job
         try:
@@ -135,8 +136,8 @@ class OverlapSchedule:
         all_logits = all_logits_needed(prefill.chunks)
         s.kv.computed(decodes, prefill.chunks)  # the forward will have written them
         reqs = decodes + [r for r, _ in prefill.chunks]
-        job = Job(reqs, batch, s.rows_to_sample(reqs, len(decodes)), placeholders, self.inflight,
-                  bool(prefill.chunks), all_logits, s.scored_done(reqs))
+        job = Job(reqs, batch, rows_to_sample(reqs, len(decodes)), placeholders, self.inflight,
+                  bool(prefill.chunks), all_logits, scored_done(reqs))
         if self.stream is not None:
             job.ready = torch.cuda.Event()
             job.ready.record()  # on this thread's stream, after the inputs' copies
@@ -167,15 +168,8 @@ class OverlapSchedule:
         """A batch failed: the batches after it were built on its results (K/V counted as
         written, prompt pages cached), so every running request fails (reason "error") and
         the prefix cache is emptied; waiting requests hold nothing and stay queued."""
-        s = self.s
         self._settle()
-        for r in s.running:
-            s.kv.retract(r)
-            r.error = f"the model forward failed: {type(e).__name__}: {e}"
-            s._finish(r, "error")
-        s.running = []
-        if s.kv.cache is not None:
-            s.kv.cache.flush()
+        self.s.fail_running(f"the model forward failed: {type(e).__name__}: {e}")
 
     def _settle(self) -> None:
         """After a failure (or to stop): let the submitted batch finish and drop it."""

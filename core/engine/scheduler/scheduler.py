@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-import time
 from operator import attrgetter
 
 from engine.forward_batch import ForwardBatch
-from engine.sampling import Sampler, SamplingState, token_stop_reason
-from engine.sampling.detokenizer import MAX_DIRTY
+from engine.sampling import Sampler, SamplingState
 from engine.scheduler.adaptive import make_ratio
 from engine.scheduler.admission import (PrefillBudget, StepPrefill, Verdict,
                                         prefix_in_flight, waits_for_leader)
-from engine.scheduler.grammar import (StepMasks, admissible, advance, start_matchers,
-                                      wait_for_compiles)
+from engine.scheduler.commit import Commit
+from engine.scheduler.grammar import StepMasks, admissible, wait_for_compiles
 from engine.scheduler.kv import DecodeSlots, KVManager
 from engine.scheduler.prompt_logprobs import all_logits_needed, chunk_cap, record
 from engine.scheduler.request import Req, Status
 from engine.scheduler.retract import pick_victims
+from engine.scheduler.step_batch import forward_batch, rows_to_sample, scored_done
 from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
 
 _OUTPUT_IDS, _FINISHED = attrgetter("output_ids"), attrgetter("finished")  # counted per step
-QUEUED_PARTIALS = MAX_DIRTY - 1  # commit queues a partial character inline below check's flush
 
 
-class Scheduler:
+class Scheduler(Commit):
+    """The loop: each step retracts if decode is short of slots, grows the decodes, admits and
+    chunks prompts (this file), runs one forward, samples, and takes the tokens in (``Commit``:
+    scheduler/commit.py); the step's batch is scheduler/step_batch.py's."""
+
     def __init__(self, runner, kv: KVManager, policy, cache_aware: bool, sizing, config,
                  eos_ids, vocab_size: int, on_step=None):
         self.runner, self.kv, self.policy, self.cache_aware = runner, kv, policy, cache_aware
@@ -79,7 +81,7 @@ class Scheduler:
 
     def sync_step(self) -> list[Req]:
         """Plan, forward, sample and finish one batch, all before returning."""
-        failed = self._fail_grammars()
+        failed = self.finish_failed_grammars()
         # Req.prefilling, inline (every running request, every step)
         decodes = [r for r in self.running
                    if r.kv_len >= len(r.prompt_ids) + len(r.output_ids) - 1]
@@ -87,7 +89,7 @@ class Scheduler:
         if retracted:
             decodes = [r for r in decodes if r.status is Status.RUNNING]
         grown = self.kv.grow_decodes(decodes)
-        prefill = self._admit(len(decodes))
+        prefill = self.admit_prompts(len(decodes))
         ran = bool(decodes or prefill.chunks)
         try:
             touched = self._run(decodes, prefill.chunks, grown) if ran else []
@@ -147,7 +149,7 @@ class Scheduler:
         return len(victims)
 
     # -- admission -------------------------------------------------------------------------------
-    def _admit(self, num_decodes: int) -> StepPrefill:
+    def admit_prompts(self, num_decodes: int) -> StepPrefill:
         """This step's prompt chunks: a chunked prompt continues first, then waiting requests
         are tried in the policy's order until one says stop."""
         prefill = StepPrefill(PrefillBudget.for_step(self.sizing.chunked_prefill_size, num_decodes,
@@ -244,8 +246,8 @@ class Scheduler:
             logits = self.runner.forward(batch)
         self.kv.computed(decodes, chunks)
         if chunks:
-            sample = self.rows_to_sample(reqs, len(decodes))
-            scored = self.finish_scored(self.scored_done(reqs))
+            sample = rows_to_sample(reqs, len(decodes))
+            scored = self.finish_scored(scored_done(reqs))
         else:  # a decode step: every row samples (a request that only scores never decodes)
             sample, scored = range(len(reqs)), []
         if not sample:
@@ -256,123 +258,15 @@ class Scheduler:
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         return scored + self.commit(rows, tokens, logprobs, out.top_logprobs)
 
-    @staticmethod
-    def rows_to_sample(reqs: list[Req], num_decodes: int) -> list[int]:
-        """Indices of the rows to sample among a batch's ``reqs`` (its ``num_decodes`` decodes
-        first), once it ran: every decode, and the prompts whose K/V now covers the whole
-        sequence; never a request only scoring its prompt (max_new_tokens 0)."""
-        return [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0
-                and (i < num_decodes or r.kv_len == r.seq_len)]
-
-    @staticmethod
-    def scored_done(reqs: list[Req]) -> list[Req]:
-        """The requests among a batch's ``reqs`` that only score their prompt (max_new_tokens
-        0) and whose whole prompt the batch completes."""
-        return [r for r in reqs if r.params.max_new_tokens == 0 and r.kv_len == r.seq_len]
-
-    def finish_scored(self, reqs: list[Req]) -> list[Req]:
-        """Finish (reason "length") those of ``scored_done``'s requests still running once
-        their batch ran; returns them."""
-        done = [r for r in reqs if r.status is Status.RUNNING]
-        for r in done:
-            self._release_finished(r, "length", None)
-        if done:
-            self.running = [r for r in self.running if not r.finished]
-        return done
-
     def forward_batch(self, decodes: list[Req], chunks: list[tuple[Req, int]],
                       decode_ids: list[list[int]] | None = None,
                       grown: DecodeSlots | None = None) -> ForwardBatch:
-        """The batch of the decodes (their last token, or ``decode_ids``) and prompt chunks;
-        ``grown``: what ``grow_decodes(decodes)`` returned (their rows, positions and slots)."""
-        table = self.kv.pool.req_to_token
-        if not chunks and grown is not None and decode_ids is None:  # the usual decode step
-            ids = [(r.output_ids or r.prompt_ids)[-1] for r in decodes]
-            return ForwardBatch.decode(ids, grown.positions, grown.rows, table,
-                                       device=table.device, out_cache_loc=grown.slots)
-        if not chunks:  # a decode step: one token each, the last of its sequence
-            lens, rows = [], []  # one pass over the requests
-            if decode_ids is None:
-                ids = []
-                for r in decodes:
-                    ids.append((r.output_ids or r.prompt_ids)[-1])
-                    lens.append(r.kv_len)
-                    rows.append(r.row)
-            else:
-                ids = [x[0] for x in decode_ids]
-                for r in decodes:
-                    lens.append(r.kv_len)
-                    rows.append(r.row)
-            return ForwardBatch.decode(ids, lens, rows, table, device=table.device)
-        reqs = decodes + [r for r, _ in chunks]
-        if decode_ids is None:
-            decode_ids = [r.tokens(r.kv_len, r.kv_len + 1) for r in decodes]
-        return ForwardBatch.build(decode_ids + [r.tokens(r.kv_len, r.kv_len + n)
-                                                for r, n in chunks],
-                                  [r.kv_len for r in reqs], [r.row for r in reqs], None, table,
-                                  device=table.device)
+        """The step's batch (scheduler/step_batch.py) over this scheduler's request table."""
+        return forward_batch(self.kv.pool.req_to_token, decodes, chunks, decode_ids, grown)
 
     def sample(self, logits, sample: list[int], rows: list[Req]):
         """Sample the logits rows ``sample`` (those of requests ``rows``)."""
         return self._sample(logits if len(sample) == logits.shape[0] else logits[sample], rows)
-
-    def commit(self, rows: list[Req], tokens: list[int], logprobs, top_logprobs) -> list[Req]:
-        """Append each row's sampled token; stop checks, grammar, finishing. Returns ``rows``.
-        One pass with the per-step values hoisted; the stop checks inline (``_check_stop``
-        says the same): most rows need no more than appending their token."""
-        now = time.monotonic()
-        finished = False
-        eos = self.eos_ids
-        ttft = self.counters.ttft
-        check_stop = self._check_stop
-        for j, r in enumerate(rows):
-            token = tokens[j]
-            out = r.output_ids
-            out.append(token)  # Req.append_token
-            if r.seen is not None:
-                r.seen.add(token)
-            p = r.params
-            if logprobs is not None and p.logprobs:
-                r.output_logprobs.append(logprobs[j])
-                if top_logprobs is not None:
-                    r.output_top_logprobs.append(top_logprobs[j])
-            if r.first_token_time is None:
-                r.first_token_time = now
-                ttft.append(now - r.created)
-            if r.grammar is not None:
-                if self._advance_grammar(r, token):
-                    finished = True
-                    continue
-                check_stop(r, token)
-                finished = finished or r.status is Status.FINISHED
-                continue
-            # _check_stop, inline: an EOS / stop token id, then stop strings, then the length
-            n = len(out)
-            if n >= p.min_new_tokens and (
-                    (token in eos and not p.ignore_eos) or token in p.stop_token_ids):
-                self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
-                finished = True
-            else:
-                det = r.detokenizer
-                if det is not None:  # stop strings: IncrementalDetokenizer.check
-                    queued, codes = det.pending, det.codes
-                    code = codes[token] if queued and token < len(codes) else -1
-                    if code == 0:  # _SAFE: all that check does here (most tokens)
-                        queued.append(token)
-                    elif code == 3 and len(queued) < QUEUED_PARTIALS:  # _PARTIAL_FREE
-                        queued.append(token)  # check's own path, short of its window
-                        det.dirty = True
-                    elif det.check(token):
-                        self._release_finished(r, "stop", det.matched_stop)
-                        finished = True
-                        continue
-                if n >= p.max_new_tokens:
-                    self._release_finished(r, "length", None)
-                    finished = True
-        self.counters.generation_tokens += len(rows)
-        if finished:
-            self.running = [r for r in self.running if r.status is not Status.FINISHED]
-        return rows
 
     def _sample(self, logits, rows: list[Req]):
         """Sample one token per request of ``rows`` (logits [len(rows), V]). The sampling
@@ -384,46 +278,3 @@ class Scheduler:
         out = self.sampler(logits, batch, overwrite=True)
         self.sampling.advance(out.next_token_ids)
         return out
-
-    def _check_stop(self, r: Req, token: int) -> None:
-        """Finish ``r`` if its latest token ends it (the caller drops it from ``running``)."""
-        reason = token_stop_reason(r.params, r.output_ids, self.eos_ids)
-        if reason == "stop":
-            return self._release_finished(r, "stop", token)  # an EOS / stop id shows no text
-        if r.detokenizer is not None and r.detokenizer.check(token):
-            return self._release_finished(r, "stop", r.detokenizer.matched_stop)
-        if reason == "length":
-            self._release_finished(r, "length", None)
-
-    def _fail_grammars(self) -> list[Req]:
-        """Finish (reason "error") the waiting requests whose grammar failed to compile."""
-        failed = start_matchers(self.waiting)
-        for r in failed:
-            self.waiting.remove(r)
-            self._finish(r, "error")
-        return failed
-
-    def _advance_grammar(self, r: Req, token: int) -> bool:
-        """Advance ``r``'s matcher; True when that finished ``r``: "stop" when the grammar is
-        complete (before max_tokens), "error" when the backend rejected the token."""
-        verdict = advance(r, token)
-        if verdict is None:
-            return False
-        if verdict == "stop" and token_stop_reason(r.params, r.output_ids, self.eos_ids) != "stop":
-            if r.detokenizer is not None:
-                r.detokenizer.add([token])
-            token = None  # the grammar ended on a token with text, not on an EOS / stop id
-        self._release_finished(r, verdict, token if verdict == "stop" else None)
-        return True
-
-    def _release_finished(self, r: Req, reason: str, matched) -> None:
-        self.kv.release(r)
-        r.matched_stop = matched
-        self._finish(r, reason)
-
-    def _finish(self, r: Req, reason: str) -> None:
-        r.status, r.finish_reason = Status.FINISHED, reason
-        r.finished_time = time.monotonic()
-        self.ratio.finished(r)
-        self.counters.finished_reqs += 1
-        self.counters.e2e.append(r.finished_time - r.created)

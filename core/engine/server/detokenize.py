@@ -66,7 +66,7 @@ class DetokenizerThread:
                 hist = self.itl
                 for item in batch:
                     (handle, i), r, n, finished = item
-                    last = handle._last
+                    last = handle.last_token_time
                     if last[i] is not None and hist is not None:
                         hist.observe(now - last[i])
                     last[i] = now

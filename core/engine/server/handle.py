@@ -45,18 +45,19 @@ class Handle:
         self.reqs: list = []  # filled on the engine thread before submit() returns
         self.prompt_ids: list[int] = []
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        # detokenizer-thread state, per request: tokens already sent, last token time, its
+        # the detokenizer thread's state (only it reads and writes these), per request: output
+        # tokens already sent, when its last token came (inter-token latency), its
         # IncrementalDetokenizer (streams; one with stop strings applies them to the text, as
         # the engine side's Req.detokenizer does to decide where the request stops)
-        self._sent_ids: list[int] = []
-        self._last: list[float | None] = []
-        self._detoks: list = []
+        self.sent: list[int] = []
+        self.last_token_time: list[float | None] = []
+        self.detokenizers: list = []
 
     def started(self, reqs: list) -> None:
         """Engine thread, once ``reqs`` are queued: per-request bookkeeping."""
         self.reqs = reqs
         n = len(reqs)
-        self._sent_ids, self._last, self._detoks = [0] * n, [None] * n, [None] * n
+        self.sent, self.last_token_time, self.detokenizers = [0] * n, [None] * n, [None] * n
 
     async def deltas(self):
         """Yield deltas until every request has finished."""
@@ -100,7 +101,7 @@ def collect(handle: Handle, i: int, r, n: int, finished: bool) -> Out | None:
         # finished: nothing changes it any more; read it as it is
         return (handle, i, r, r.output_ids, r.output_logprobs, r.output_top_logprobs,
                 len(r.output_ids), None, True, scored_prompt(handle))
-    sent = handle._sent_ids
+    sent = handle.sent
     start = sent[i]
     sent[i] = n
     if r.params.logprobs:
@@ -123,10 +124,10 @@ def build_delta(engine, o: Out, pieces=None) -> Delta:
     h, i, r, token_ids, logprobs, top_logprobs, completion_tokens, text, finished, prompt = o
     if h.stream:
         if text is None:
-            det = h._detoks[i]
+            det = h.detokenizers[i]
             if det is None:
-                det = h._detoks[i] = IncrementalDetokenizer(engine.tokenizer, h.prompt_ids,
-                                                            r.params)
+                det = h.detokenizers[i] = IncrementalDetokenizer(engine.tokenizer,
+                                                                 h.prompt_ids, r.params)
             ids = token_ids
             if finished and ids and r.finish_reason == "stop" and isinstance(r.matched_stop,
                                                                              int):
