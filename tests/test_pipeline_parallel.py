@@ -221,10 +221,11 @@ def test_stage_layer_specs():
 
 
 def record_safetensors_reads(monkeypatch) -> list[str]:
-    """The names of the tensors read from safetensors files from now on."""
-    import engine.models.checkpoint as checkpoint
+    """The names of the tensors read from safetensors files from now on (by a checkpoint:
+    an HF directory's, a GGUF's cache)."""
+    from engine.models.checkpoint import gguf, hf
 
-    real, read = checkpoint.safe_open, []
+    real, read = hf.safe_open, []
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -244,7 +245,8 @@ def record_safetensors_reads(monkeypatch) -> list[str]:
             read.append(name)
             return self.file.get_tensor(name)
 
-    monkeypatch.setattr(checkpoint, "safe_open", Recording)
+    for module in (hf, gguf):
+        monkeypatch.setattr(module, "safe_open", Recording)
     return read
 
 
@@ -326,13 +328,13 @@ def test_a_stage_dequantizes_only_its_gguf_tensors(tiny_gguf_factory, registries
 
     path = tiny_gguf_factory(LLAMA3[0], "F32", **LLAMA3[1])
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    real, dequantized = gguf.GGUFFile._array, []
+    real, dequantized = gguf.GGUFFile.array, []
 
     def recording(self, info):
         dequantized.append(gguf.hf_name(info.name))
         return real(self, info)
 
-    monkeypatch.setattr(gguf.GGUFFile, "_array", recording)
+    monkeypatch.setattr(gguf.GGUFFile, "array", recording)
     last = make_stage(3, 1, PP)
     load(path, last, registries)
     names = {gguf.hf_name(t.name) for t in gguf.GGUFFile(path).reader.tensors}

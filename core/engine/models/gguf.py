@@ -1,6 +1,6 @@
-"""GGUF files (llama.cpp's format) read with the ``gguf`` package: the model config from the
-metadata (as an HF config.json dict), and the tensors dequantized, renamed to the HF names our
-models load, with llama.cpp's Q/K rotary permutation undone.
+"""GGUF files (llama.cpp's format) read with the ``gguf`` package: the file opened and checked,
+its metadata (made an HF config.json dict by gguf_config.py), and the tensors dequantized,
+renamed to the HF names our models load, with llama.cpp's Q/K rotary permutation undone.
 
 llama.cpp's converter permutes the rows of q_proj and k_proj of "llama" models (its rope rotates
 adjacent pairs; HF's rotates the two halves of a head); Qwen2/Qwen3 are converted unpermuted.
@@ -16,10 +16,6 @@ import torch
 
 from engine.registry import EngineError
 
-# general.architecture -> the HF architecture our model registry knows. Mistral's GGUFs say
-# "llama" (llama.cpp converts MistralForCausalLM as a Llama, without a sliding window).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_ARCHS = ("llama",)
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
@@ -63,7 +59,7 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf():
+def gguf_package():
     try:
         import gguf
     except ImportError:  # engine-core depends on it; a broken environment gets told so
@@ -74,7 +70,7 @@ def _gguf():
 def _reader_class():
     """gguf's GGUFReader, checking each tensor's type and extent as it is read, so that a
     damaged file is reported with the tensor's name (the reader would fail without it)."""
-    gguf = _gguf()
+    gguf = gguf_package()
 
     class Reader(gguf.GGUFReader):
         def _build_tensors(self, start_offs, fields):
@@ -109,7 +105,7 @@ def _version() -> str:
 
 
 def can_dequantize(qtype) -> bool:
-    gguf = _gguf()
+    gguf = gguf_package()
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     try:
         gguf.quants.dequantize(np.zeros(size, dtype=np.uint8), qtype)
@@ -164,104 +160,12 @@ class GGUFFile:
             if t.tensor_type not in checked:
                 checked[t.tensor_type] = can_dequantize(t.tensor_type)
             if not checked[t.tensor_type] and hf_name(t.name) is not None:
-                gguf = _gguf()
+                gguf = gguf_package()
                 ok = [q.name for q in gguf.GGMLQuantizationType if can_dequantize(q)]
                 raise GGUFError(
                     f"'{self.path}': tensor '{t.name}' has quantization type "
                     f"{t.tensor_type.name}, which {_version()} cannot dequantize (it can: "
                     f"{', '.join(ok)}).")
-
-    def checkpoint_dtype(self) -> str:
-        """The dtype the weights were stored in, as config.json would name it: a quantized file
-        counts as float16 (its blocks' scales are float16; a CPU computes in float32 anyway)."""
-        gguf = _gguf()
-        types = {t.tensor_type for t in self.reader.tensors if len(t.shape) > 1}
-        Q = gguf.GGMLQuantizationType
-        if types <= {Q.F32}:
-            return "float32"
-        if types <= {Q.F32, Q.BF16}:
-            return "bfloat16"
-        return "float16"
-
-    def hf_config(self) -> dict:
-        """The metadata as an HF config.json dict (what ModelConfig.from_hf reads)."""
-        arch = self.arch
-        if arch not in ARCHITECTURES:
-            raise GGUFError(
-                f"Unsupported GGUF architecture '{arch}' (general.architecture in "
-                f"'{self.path}'). Supported: {', '.join(ARCHITECTURES)} (the Llama family: "
-                f"Llama, Mistral, Qwen2, Qwen3).")
-        p = f"{arch}."
-        hidden = int(self.get(p + "embedding_length"))
-        heads = self._uniform(p + "attention.head_count")
-        kv_heads = self._uniform(p + "attention.head_count_kv", heads)
-        head_dim = int(self.get(p + "attention.key_length", hidden // heads))
-        rope_dim = int(self.get(p + "rope.dimension_count", head_dim))
-        if rope_dim != head_dim:
-            raise GGUFError(f"'{self.path}': {p}rope.dimension_count is {rope_dim} but heads have "
-                            f"{head_dim} dimensions; partial rotary embeddings are not supported.")
-        embed = self.tensor_infos.get("token_embd.weight")
-        vocab = self.get(p + "vocab_size", None)
-        if vocab is None:
-            if embed is None:
-                raise GGUFError(f"'{self.path}' has neither {p}vocab_size nor token_embd.weight.")
-            vocab = int(embed.shape[-1])
-        hf: dict = {
-            "architectures": [ARCHITECTURES[arch]],
-            "model_type": arch,
-            "hidden_act": "silu",
-            "hidden_size": hidden,
-            "intermediate_size": self._uniform(p + "feed_forward_length"),
-            "num_hidden_layers": int(self.get(p + "block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": head_dim,
-            "vocab_size": int(vocab),
-            "rms_norm_eps": float(self.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self.get(p + "rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self.get(p + "context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in self.tensor_infos,
-            "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in self.tensor_infos,
-            "mlp_bias": "blk.0.ffn_up.bias" in self.tensor_infos,
-            "torch_dtype": self.checkpoint_dtype(),
-            "engine_source": {"format": "gguf", "file": os.path.basename(self.path),
-                              "general.name": self.get("general.name", None)},
-        }
-        rope = self._rope_scaling(p, head_dim)
-        if rope is not None:
-            hf["rope_scaling"] = rope
-        for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-            value = self.get(f"tokenizer.ggml.{key}", None)
-            if value is not None:
-                hf[hf_key] = int(value)
-        eot = self.get("tokenizer.ggml.eot_token_id", None)  # llama.cpp stops on it too
-        if eot is not None and eot != hf.get("eos_token_id"):
-            hf["eos_token_id"] = [x for x in (hf.get("eos_token_id"), int(eot)) if x is not None]
-        return hf
-
-    def _uniform(self, key: str, default: Any = MISSING) -> int:
-        value = self.get(key, default)
-        if isinstance(value, list):  # per-layer values: we support only uniform ones
-            if len(set(value)) != 1:
-                raise GGUFError(f"'{self.path}': {key} differs between layers ({value[:8]}...); "
-                                f"only uniform layers are supported.")
-            value = value[0]
-        return int(value)
-
-    def _rope_scaling(self, p: str, head_dim: int) -> dict | None:
-        kind = self.get(p + "rope.scaling.type", "none")
-        if ROPE_FREQS in self.tensor_infos:  # Llama 3.1 ships its factors as a tensor
-            factors = self._array(self.tensor_infos[ROPE_FREQS]).reshape(-1)
-            if len(factors) != head_dim // 2:
-                raise GGUFError(f"'{self.path}': tensor '{ROPE_FREQS}' has {len(factors)} "
-                                f"values; heads of {head_dim} dimensions need {head_dim // 2}.")
-            return {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
-        if kind in ("none", None):
-            return None
-        if kind == "linear":
-            return {"rope_type": "linear", "factor": float(self.get(p + "rope.scaling.factor"))}
-        raise GGUFError(f"'{self.path}': {p}rope.scaling.type '{kind}' is not supported "
-                        f"(supported: none, linear, and Llama 3's {ROPE_FREQS}).")
 
     def tokenizer_type(self) -> str:
         if not self.has(TOKENIZER_KEY):
@@ -271,9 +175,9 @@ class GGUFFile:
         return self.get(TOKENIZER_KEY)
 
     # -- tensors ---------------------------------------------------------------------------
-    def _array(self, info) -> np.ndarray:
+    def array(self, info) -> np.ndarray:
         """The tensor dequantized to float32, in numpy's (row-major, HF) shape."""
-        gguf = _gguf()
+        gguf = gguf_package()
         try:
             arr = gguf.quants.dequantize(info.data, info.tensor_type)
         except Exception as e:  # noqa: BLE001
@@ -336,5 +240,5 @@ class GGUFFile:
             name = hf_name(info.name) or info.name
             if keep is not None and not keep(name):
                 continue
-            tensor = self._unpermuted(name, torch.from_numpy(self._array(info)), hf)
+            tensor = self._unpermuted(name, torch.from_numpy(self.array(info)), hf)
             yield name, tensor.to(dtype).contiguous()

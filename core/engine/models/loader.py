@@ -1,4 +1,4 @@
-"""Checkpoint (an HF directory or a GGUF file, see checkpoint.py) -> model with weights: build on
+"""Checkpoint (an HF directory or a GGUF file, see checkpoint/) -> model with weights: build on
 the meta device (where a quantization method swaps its layers in), materialize once in the target
 dtype and device, then hand each checkpoint tensor to its module by its HF name.
 
