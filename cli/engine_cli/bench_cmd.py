@@ -124,7 +124,7 @@ def workload_from(ctx: click.Context, opts: dict, seed: int):
 def _run(opts: dict, seed: int, target, **extra) -> None:
     from engine.bench import format_table, run_bench
     from engine.bench.plot import write_plot
-    from engine.registry import EngineError
+    from engine.errors import EngineError
 
     workload = workload_from(click.get_current_context(), opts, seed)
     progress = not (opts["json_out"] or opts["disable_tqdm"]) and sys.stderr.isatty()

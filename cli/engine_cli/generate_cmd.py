@@ -39,7 +39,7 @@ SAMPLING = JOB_FLAGS[2:-1]
 def generate_command(**kwargs):
     """Run every request of an input JSONL file through the engine, offline."""
     from engine.engine import Engine
-    from engine.registry import EngineError
+    from engine.errors import EngineError
 
     config, job = split_options(kwargs, click.get_current_context().command.plugin_dests,
                                 JOB_FLAGS)

@@ -9,7 +9,7 @@ from pathlib import Path
 from string import Template
 
 from engine.hookspecs import ENGINE_HOOKS_VERSION
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 NAME_RE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 MAX_NAME = 40

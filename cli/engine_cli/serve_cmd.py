@@ -72,7 +72,7 @@ def serve_command(**kwargs):
     for k in ROUTER_FLAGS:
         kwargs.pop(k)
     from engine.engine import Engine
-    from engine.registry import EngineError
+    from engine.errors import EngineError
     from engine.server.launch import serve
     from engine.server.serving import ServerSettings
 
@@ -94,7 +94,7 @@ def serve_command(**kwargs):
 def _serve_node(config: dict, log_level: str) -> None:
     from engine.config import EngineConfig
     from engine.ranks.launch import serve_node
-    from engine.registry import EngineError
+    from engine.errors import EngineError
 
     try:
         serve_node(EngineConfig.from_kwargs(**config), log_level)
@@ -124,7 +124,7 @@ def replica_args(ctx: click.Context) -> list[str]:
 
 def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
     from engine.config import EngineConfig
-    from engine.registry import EngineError
+    from engine.errors import EngineError
     from engine.router.launch import serve_dp
     from engine.router.policy import RouterOptions
 

@@ -79,7 +79,7 @@ def tune_command(engine_flags, slo_ttft_ms, slo_itl_ms, budget_minutes, knobs, v
     the running engine where the scheduler allows, else by a new engine. Prints each trial,
     then the best `engine serve` command line and its measured gain over the defaults."""
     from engine.device import detect_device
-    from engine.registry import EngineError
+    from engine.errors import EngineError
     from engine.tune import Evaluator, Objective, search, select
     from engine.tune.report import command, summary, trial_line
 

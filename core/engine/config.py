@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 class ConfigError(EngineError, ValueError):

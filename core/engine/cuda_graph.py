@@ -30,7 +30,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.attention import forward_context
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 logger = logging.getLogger("engine")
 

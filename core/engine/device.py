@@ -70,7 +70,7 @@ def detect_device(kind: str = "auto") -> DeviceInfo:
         return DeviceInfo("cuda", props.name, (props.major, props.minor), total, free,
                           props.major >= 8)
     if kind == "cuda":
-        from engine.registry import EngineError
+        from engine.errors import EngineError
 
         raise EngineError("--device cuda was asked for, but torch sees no CUDA GPU here.")
     return cpu_device()

@@ -7,7 +7,7 @@ import itertools
 import logging
 
 from engine.config import EngineConfig
-from engine.registry import EngineError
+from engine.errors import EngineError
 from engine.startup import (Resolved, eos_ids, load_tokenizer, make_scheduler, plan_memory,
                             start_lines, start_runner, warm_up_compiled)
 
@@ -185,7 +185,7 @@ class Engine:
 
     def check_constraint(self, constraint) -> None:
         """A RequestError when this engine cannot enforce ``constraint`` at all."""
-        from engine.registry import GRAMMAR_INSTALL
+        from engine.errors import GRAMMAR_INSTALL
 
         if self.grammar is not None:
             return

@@ -1,4 +1,5 @@
-"""Typed registries filled by the plugins, name resolution, and the user-facing errors."""
+"""Typed registries filled by the plugins and name resolution. The user-facing errors live in
+engine/errors.py; their names are importable from here too (plugins import them from here)."""
 
 from __future__ import annotations
 
@@ -6,66 +7,21 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
+from engine.errors import (GRAMMAR_INSTALL, KNOWN_PROVIDERS, BackendUnavailable,
+                           DuplicateRegistration, EngineError, IncompatibleOptions,
+                           NoBackendAvailable, NotImplementedYet, UnknownAttentionBackend,
+                           UnknownName)
+
 T = TypeVar("T")
 
-# Where the bundled names live, so that a missing one can say what to install.
-KNOWN_PROVIDERS = {
-    "attention backend": {
-        "fa3": ("engine-attention-fa3", "plugins/attention_fa3"),
-        "flashinfer": ("engine-attention-flashinfer", "plugins/attention_flashinfer"),
-        "trtllm_mha": ("engine-attention-flashinfer", "plugins/attention_flashinfer"),
-    },
-    "quantization method": {"fp8": ("engine-quant-fp8", "plugins/quant_fp8")},
-    "KV-cache dtype": {
-        "fp8_e4m3": ("engine-quant-fp8", "plugins/quant_fp8"),
-        "fp8_e5m2": ("engine-quant-fp8", "plugins/quant_fp8"),
-    },
-    "schedule policy": {
-        "lpm": ("engine-policy-lpm", "plugins/policy_lpm"),
-        "fcfs": ("engine-policy-fcfs", "plugins/policy_fcfs"),
-    },
-    "grammar backend": {
-        "xgrammar": ("engine-grammar-xgrammar", "plugins/grammar_xgrammar"),
-        "llguidance": ("engine-grammar-llguidance", "plugins/grammar_llguidance"),
-    },
-}
-GRAMMAR_INSTALL = ("pip install ./plugins/grammar_xgrammar (or ./plugins/grammar_llguidance; "
-                   "from PyPI: engine-grammar-xgrammar, engine-grammar-llguidance)")
-
-
-class EngineError(Exception):
-    """A mistake the user can fix; its message says what was wrong and what to do."""
-
-    def __str__(self) -> str:  # KeyError subclasses would otherwise print the repr
-        return str(self.args[0]) if self.args else ""
-
-
-class UnknownName(EngineError, KeyError):
-    pass
-
-
-class UnknownAttentionBackend(UnknownName):
-    pass
-
-
-class BackendUnavailable(EngineError):
-    pass
-
-
-class NoBackendAvailable(EngineError):
-    pass
-
-
-class IncompatibleOptions(EngineError, ValueError):
-    pass
-
-
-class DuplicateRegistration(EngineError):
-    pass
-
-
-class NotImplementedYet(EngineError):
-    pass
+__all__ = [
+    "GRAMMAR_INSTALL", "KNOWN_PROVIDERS", "BackendUnavailable", "DuplicateRegistration",
+    "EngineError", "Entry", "IncompatibleOptions", "NoBackendAvailable", "NotImplementedYet",
+    "Registries", "Registry", "UnknownAttentionBackend", "UnknownName", "backend_kv_dtypes",
+    "default_page_size", "resolve_attention_backend", "resolve_grammar_backend",
+    "resolve_kv_dtype", "resolve_linear_kernel", "resolve_parallel_strategy", "resolve_policy",
+    "resolve_quantization", "takes_dtype", "takes_page_size",
+]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import cpu_half_weights, resolve_dtype
 from engine.models.loader import load_model, weight_bytes
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 def resolve_model_class(registries, architecture: str):

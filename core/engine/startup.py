@@ -8,7 +8,8 @@ import dataclasses
 import logging
 from typing import NamedTuple
 
-from engine.registry import GRAMMAR_INSTALL, Entry
+from engine.errors import GRAMMAR_INSTALL
+from engine.registry import Entry
 
 logger = logging.getLogger("engine")
 

@@ -18,7 +18,7 @@ from engine.bench.offline import run_offline
 from engine.bench.result import BenchResult, RequestResult, Sample, format_table
 from engine.bench.serve import run_serve, served_model
 from engine.bench.workloads import BenchRequest, Workload, load_tokenizer
-from engine.registry import EngineError
+from engine.errors import EngineError
 from engine.server.process import ServerProcess
 
 __all__ = ["BenchRequest", "BenchResult", "RequestResult", "Sample", "Workload", "format_table",

@@ -8,7 +8,7 @@ import time
 
 from engine.bench.result import BenchResult, RequestResult, Sample, summarize
 from engine.bench.workloads import BenchRequest
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 def _sample(sched, t: float, tokens: int) -> Sample:

@@ -27,7 +27,7 @@ def write_plot(result: BenchResult, path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        from engine.registry import EngineError
+        from engine.errors import EngineError
 
         raise EngineError("--plot needs matplotlib, which is not installed: pip install "
                           "matplotlib (or engine-cli[bench]).") from None

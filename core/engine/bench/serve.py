@@ -17,7 +17,7 @@ import httpx
 
 from engine.bench.result import BenchResult, RequestResult, Sample, summarize
 from engine.bench.workloads import BenchRequest
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 BACKENDS = ("sglang", "openai")
 SAMPLE_INTERVAL_S = 0.5

@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 DATASETS = ("random", "generated-shared-prefix", "sharegpt", "trace")
 ALIASES = {"shared-prefix": "generated-shared-prefix"}

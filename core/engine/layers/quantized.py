@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 def swap_quantizable(model: nn.Module, make, ignored=frozenset()) -> nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 # What --mem-fraction-static (vLLM: --gpu-memory-utilization) is a fraction of. On a GPU, of its
 # *total* memory, as SGLang and vLLM mean it: weights + KV pool (+ the request table) get that

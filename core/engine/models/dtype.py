@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 PERMUTED_ARCHS = ("llama",)
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",

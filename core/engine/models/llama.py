@@ -23,7 +23,7 @@ from engine.parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowPar
                                     VocabParallelEmbedding)
 from engine.parallel.shard import Cut, kv_cut, rank_head_counts, split_evenly
 from engine.parallel.stage import PPStage, checkpoint_layer
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 class SelfAttention(nn.Module):

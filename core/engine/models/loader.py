@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.models.checkpoint import Checkpoint
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 # tensors some checkpoints carry that we recompute instead of loading
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

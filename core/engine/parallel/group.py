@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 class TPGroup:

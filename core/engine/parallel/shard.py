@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 LAYER_PREFIX = "model.layers."  # HF checkpoint names of decoder layers: model.layers.{i}.…
 

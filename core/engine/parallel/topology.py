@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 
 @dataclass(frozen=True)

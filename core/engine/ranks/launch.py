@@ -21,7 +21,7 @@ from engine.plugins import get_registries
 from engine.ranks import rendezvous, worker
 from engine.ranks.executor import ParallelRunner
 from engine.ranks.world import exited, join_world, set_threads, stop_processes, topology
-from engine.registry import EngineError
+from engine.errors import EngineError
 from engine.runner import build_runner
 
 logger = logging.getLogger("engine.parallel")

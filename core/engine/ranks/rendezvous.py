@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from engine.parallel.topology import Topology
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 logger = logging.getLogger("engine.parallel")
 BEAT_S = 1.0  # a worker's heartbeat period

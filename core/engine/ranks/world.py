@@ -18,7 +18,7 @@ from engine.parallel.group import TPGroup
 from engine.parallel.stage import make_stage
 from engine.parallel.topology import Topology
 from engine.ranks import rendezvous
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 # the control group (rank 0's messages) waits as long as the server idles
 CONTROL_TIMEOUT = timedelta(days=365)

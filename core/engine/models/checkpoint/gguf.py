@@ -25,7 +25,7 @@ from engine.models.checkpoint.base import Checkpoint, Keep, dtype_name
 from engine.models.checkpoint.gguf_cache import ShardWriter, file_sha256, write_atomic
 from engine.models.checkpoint.hf import iter_safetensors, load_tokenizer_dir
 from engine.paths import cache_root
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 logger = logging.getLogger("engine")
 GGUF_CACHE_VERSION = "v1"  # bump when the conversion changes, so stale caches are not read

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.models.checkpoint.base import Checkpoint, Keep
-from engine.registry import EngineError
+from engine.errors import EngineError
 
 INDEX_FILE = "model.safetensors.index.json"
 
