@@ -1,6 +1,8 @@
+from engine.sampling.batch import SamplingBatch
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.params import SamplingParams, SamplingParamsError
-from engine.sampling.sampler import SampleOutput, Sampler, SamplingBatch, SamplingState
+from engine.sampling.sampler import SampleOutput, Sampler
+from engine.sampling.state import SamplingState
 from engine.sampling.stop import find_stop, partial_stop_len, token_stop_reason
 
 __all__ = [
