@@ -1,5 +1,5 @@
 """The engine thread's stop-string check (IncrementalDetokenizer.check): tokens whose text
-cannot end a stop string (sampling/detokenizer.py's StopMask) are queued undecoded; the verdict
+cannot end a stop string (sampling/stop_mask.py's StopMask) are queued undecoded; the verdict
 (stop or not, at which token, which stop string) and the text are those of a detokenizer fed
 every token."""
 
@@ -166,9 +166,9 @@ def test_a_window_after_a_broken_character_is_decoded_alone(tiny_tokenizer):
     """The text before a window ended in a partial character that the window's first token
     finishes (or breaks): the window's known text is then decoded, not taken from the last
     delta (which would emit its first characters twice). Same text as two decodes per token."""
-    from engine.sampling.detokenizer import _bytes_to_unicode
+    from engine.sampling.stop_mask import bytes_to_unicode
 
-    byte = {b: tiny_tokenizer.convert_tokens_to_ids(c) for b, c in _bytes_to_unicode().items()}
+    byte = {b: tiny_tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
     pct, a = byte[ord("%")], byte[ord("a")]
     prompt = [byte[ord("x")], byte[0xE6]]  # ends in a partial character
     outputs = [byte[0x97], pct, byte[0xE6], a, byte[0xE6], byte[0x97], byte[0xA5], pct]

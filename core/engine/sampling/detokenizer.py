@@ -1,222 +1,19 @@
+"""IncrementalDetokenizer: a request's growing output ids turned into text deltas (a window of
+the last few tokens decoded per step), with its stop strings applied; and ``check``, the engine
+thread's stop-string verdict per token, which decodes only where a stop string might end
+(sampling/stop_mask.py)."""
+
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-
 from engine.sampling.params import SamplingParams
+from engine.sampling.stop_mask import (INCOMPLETE, MAY_END, PARTIAL, PARTIAL_FREE, SAFE,
+                                       StopMask, stop_mask)
+from engine.sampling.window_decode import window_decoder
 
 # Prompt tokens decoded before the first output token, so tokenizers that drop a leading space
 # at the start of a decode (SentencePiece) still produce it for the first output token.
 _CONTEXT_TOKENS = 5
-_INCOMPLETE = "\ufffd"
-
-
-def window_decoder(tokenizer):
-    """``decode(ids, skip_special_tokens) -> str`` for ``tokenizer`` without clean-up: the Rust
-    tokenizer's own decode when ``tokenizer`` is a plain HF fast tokenizer (what its ``decode``
-    does, without the Python layers around it: a few times faster on the short windows the
-    detokenizer decodes), else ``tokenizer.decode``. Its ``concatenative`` attribute is True
-    when decoding two runs of tokens that meet at a character boundary gives the two texts
-    joined (a byte-level BPE: GPT-2, Llama 3, Qwen, SmolLM2), unlike decoders that drop a
-    leading space at the start of a decode (SentencePiece). Made once per tokenizer."""
-    cached = getattr(tokenizer, "_engine_window_decoder", None)
-    if cached is not None:
-        return cached
-    backend = getattr(tokenizer, "_tokenizer", None)
-    try:
-        from tokenizers import Tokenizer, decoders
-        from transformers import PreTrainedTokenizerFast as Fast
-    except ImportError:  # pragma: no cover - both come with the engine
-        Tokenizer = Fast = None
-    if (Tokenizer is not None and isinstance(backend, Tokenizer) and isinstance(tokenizer, Fast)
-            and type(tokenizer).decode is Fast.decode and type(tokenizer)._decode is Fast._decode):
-        decode = backend.decode
-
-        def fn(ids, skip):
-            return decode(ids, skip_special_tokens=skip)
-        fn.concatenative = isinstance(backend.decoder, decoders.ByteLevel)
-        # the text of each token alone, per skip_special_tokens (concatenative decoders only)
-        fn.pieces = ({}, {}) if fn.concatenative else None
-        fn.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        fn.backend = backend
-    else:
-        def fn(ids, skip):
-            # Clean-up rewrites text around a window's edges, so windows would not add up.
-            return tokenizer.decode(ids, skip_special_tokens=skip,
-                                    clean_up_tokenization_spaces=False)
-        fn.concatenative = False
-        fn.pieces = None
-    fn.masks = {}  # stop_mask's cache: (stop strings, skip) -> Future of a StopMask
-    fn.vocab_index = {}  # skip -> _VocabIndex (every token's text alone, ...): stop_mask
-    try:
-        tokenizer._engine_window_decoder = fn
-    except AttributeError:  # pragma: no cover - a tokenizer that takes no attributes
-        pass
-    return fn
-
-
-# StopMask.maybe codes
-_SAFE = 0  # whole characters, none a stop string's last one: cannot end a stop string
-_MAY_END = 1  # whole characters, where a stop string could end (its last character, preceded
-# within the token by what precedes that character in the stop string)
-_PARTIAL = 2  # anything else (no text, an added token with a partial character): decoded
-_PARTIAL_FREE = 3  # a byte-level token with a partial character (U+FFFD) none of whose bytes
-# is the last byte of a stop string's last character: its text in context (with its neighbours)
-# cannot hold that character either; queued, and decoded with the queued tokens around it
-
 MAX_DIRTY = 32  # queued tokens with partial characters decoded together at most
-_MAX_MASKS = 256  # StopMasks kept per decoder (one per set of stop strings; vocab bytes each)
-
-_mask_pool: ThreadPoolExecutor | None = None
-_mask_lock = threading.Lock()
-
-
-class StopMask:
-    """For one set of stop strings (and skip_special_tokens): ``maybe[t]`` is _SAFE when token
-    ``t``'s text is whole characters and no stop string can end in it, _MAY_END when it is
-    whole characters and one could (a stop's last character, preceded within the token by what
-    precedes it in the stop: "er" may end "never", "ar" cannot), _PARTIAL_FREE or
-    _PARTIAL (see there) when it is not whole characters; ``pieces[t]`` is the token's text
-    alone. Only for a concatenative decoder (byte-level BPE), where a token's text in context is
-    its text alone once the text before it ends at a character boundary."""
-
-    __slots__ = ("maybe", "pieces", "raw")
-
-    def __init__(self, maybe: bytes, pieces: list[str], raw: list[bytes | None] | None = None):
-        self.maybe, self.pieces = maybe, pieces
-        self.raw = raw  # each token's bytes (None: an added token), for decode_bytes
-
-    def decode_bytes(self, ids: list[int]) -> str | None:
-        """The window decoder's text of ``ids`` from the tokens' bytes, without a call into
-        the tokenizer: a byte-level BPE's decode is its tokens' bytes joined and decoded as
-        UTF-8 with maximal invalid subsequences replaced by U+FFFD (from_utf8_lossy), which
-        is what Python's "replace" does. None when a token's bytes are not known (added or
-        special tokens): then the tokenizer decodes."""
-        raw = self.raw
-        try:
-            parts = [raw[t] for t in ids]
-        except (IndexError, TypeError):
-            return None
-        if None in parts:
-            return None
-        return b"".join(parts).decode("utf-8", "replace")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> character table (what a byte-level BPE vocabulary is spelt in)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-          *range(ord("\xae"), ord("\xff") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def _token_bytes(decode, pieces: list[str]) -> list[bytes | None]:
-    """Each token's bytes (None: an added token, or one whose bytes do not decode to its
-    piece: treated as unknown)."""
-    backend = getattr(decode, "backend", None)
-    if backend is None:
-        return [None] * len(pieces)
-    inv = {c: b for b, c in _bytes_to_unicode().items()}
-    added = set(backend.get_added_tokens_decoder())
-    out: list[bytes | None] = []
-    for t, piece in enumerate(pieces):
-        s = None if t in added else backend.id_to_token(t)
-        if s is None or any(c not in inv for c in s):
-            out.append(None)
-            continue
-        b = bytes(inv[c] for c in s)
-        out.append(b if b.decode("utf-8", "replace") == piece else None)
-    return out
-
-
-class _VocabIndex:
-    """What every StopMask of a decoder (and skip_special_tokens) starts from: each token's
-    code without stop strings (_SAFE, _PARTIAL_FREE or _PARTIAL), and which tokens hold a given
-    character (whole-character tokens) or byte (partial-character tokens)."""
-
-    def __init__(self, decode, skip: bool):
-        self.pieces = [decode([t], skip) for t in range(decode.vocab_size)]
-        self.raw = raw = _token_bytes(decode, self.pieces)
-        self.base = bytearray(len(self.pieces))
-        self.by_char: dict[str, list[int]] = {}
-        self.by_byte: dict[int, list[int]] = {}
-        for t, p in enumerate(self.pieces):
-            if not p:
-                self.base[t] = _PARTIAL
-            elif _INCOMPLETE in p:
-                b = raw[t]
-                if b is None:
-                    self.base[t] = _PARTIAL
-                else:
-                    self.base[t] = _PARTIAL_FREE
-                    for x in set(b):
-                        self.by_byte.setdefault(x, []).append(t)
-            else:
-                for c in set(p):
-                    self.by_char.setdefault(c, []).append(t)
-
-
-def _can_end_in(piece: str, stop: str) -> bool:
-    """Whether ``stop`` can end inside ``piece`` (whatever text comes before it): at some
-    position holding stop's last character, the piece's characters up to there are the end
-    of ``stop`` (all of it, or the part of its tail that fits after the piece's start)."""
-    last, n = stop[-1], len(stop)
-    i = piece.find(last)
-    while i >= 0:
-        k = min(i + 1, n)
-        if piece[i + 1 - k: i + 1] == stop[n - k:]:
-            return True
-        i = piece.find(last, i + 1)
-    return False
-
-
-def _build_mask(decode, stops: frozenset, skip: bool) -> StopMask:
-    index = decode.vocab_index.get(skip)
-    if index is None:
-        index = decode.vocab_index[skip] = _VocabIndex(decode, skip)
-    codes, pieces = index.base[:], index.pieces
-    lasts = {x[-1] for x in stops}
-    for c in lasts:
-        ending = [x for x in stops if x[-1] == c]
-        for t in index.by_char.get(c, ()):
-            if any(_can_end_in(pieces[t], x) for x in ending):
-                codes[t] = _MAY_END
-    for b in {c.encode("utf-8")[-1] for c in lasts}:  # the last byte of each
-        for t in index.by_byte.get(b, ()):
-            codes[t] = _PARTIAL
-    return StopMask(bytes(codes), index.pieces, index.raw)
-
-
-def stop_mask(decode, stops: list[str], skip: bool) -> Future | None:
-    """A Future of the StopMask of ``stops`` for window decoder ``decode``, computed once per
-    set of last characters on a background thread (not the engine thread: a decode of every
-    token of the vocabulary); None when no mask can be used: a decoder that is not
-    concatenative, or a stop string that ends in whitespace or holds U+FFFD (kept
-    conservative)."""
-    global _mask_pool
-    masks = getattr(decode, "masks", None)
-    if masks is None or not getattr(decode, "concatenative", False) or not stops:
-        return None
-    if any(not x or x[-1].isspace() or _INCOMPLETE in x for x in stops):
-        return None
-    key = (frozenset(stops), skip)
-    fut = masks.get(key)
-    if fut is None:
-        with _mask_lock:
-            fut = masks.get(key)
-            if fut is None:
-                if _mask_pool is None:
-                    _mask_pool = ThreadPoolExecutor(1, thread_name_prefix="stop-mask")
-                if len(masks) >= _MAX_MASKS:  # clients choose the stops: keep the newest
-                    masks.pop(next(iter(masks)))
-                fut = masks[key] = _mask_pool.submit(_build_mask, decode, key[0], skip)
-    return fut
 
 
 class IncrementalDetokenizer:
@@ -279,7 +76,7 @@ class IncrementalDetokenizer:
         # not empty) and ``codes[token] == 0`` (token < len(codes)), ``check(token)`` only
         # appends the token to ``pending`` and returns False
         self.pending: list[int] = []
-        # pending holds a partial character (_PARTIAL_FREE); Scheduler.commit queues such tokens
+        # pending holds a partial character (PARTIAL_FREE); Scheduler.commit queues such tokens
         # inline (pending, codes and dirty are what it touches)
         self.dirty = False
         self._mask: StopMask | None = None
@@ -332,19 +129,19 @@ class IncrementalDetokenizer:
                 self.add([token])
                 return self._stopped
         maybe = mask.maybe
-        code = maybe[token] if token < len(maybe) else _PARTIAL
+        code = maybe[token] if token < len(maybe) else PARTIAL
         pending = self.pending
         if pending:  # from a character boundary on, each of them at or after min_new_tokens
-            if code == _SAFE:  # (the scheduler's commit does this one inline: see pending)
+            if code == SAFE:  # (the scheduler's commit does this one inline: see pending)
                 pending.append(token)
                 return False
-            if code == _PARTIAL_FREE:
+            if code == PARTIAL_FREE:
                 pending.append(token)
                 self.dirty = True
                 if len(pending) >= MAX_DIRTY:  # decoded in windows of a few tokens
                     self._flush()
                 return False
-            if code == _MAY_END:
+            if code == MAY_END:
                 if not self.dirty:
                     return self._emit_pending(token)
                 pending.append(token)
@@ -352,13 +149,13 @@ class IncrementalDetokenizer:
                 # (this token's), so the search sees what one token at a time would have seen
                 self._flush()
                 return self._stopped
-        elif code != _PARTIAL and self._before is not None and self._read == len(self._ids) \
+        elif code != PARTIAL and self._before is not None and self._read == len(self._ids) \
                 and not self._stopped:
-            if code == _MAY_END:
+            if code == MAY_END:
                 return self._emit_pending(token)
             if self._num_output >= self._min_new - 1:  # no text before min_new_tokens queued
                 pending.append(token)
-                self.dirty = code == _PARTIAL_FREE
+                self.dirty = code == PARTIAL_FREE
                 return False
         self.add([token])  # (the queued tokens first)
         return self._stopped
@@ -422,7 +219,7 @@ class IncrementalDetokenizer:
             piece = pieces.get(t)
             if piece is None:
                 piece = pieces[t] = self._decode_fn([t], self._skip)
-            if piece and _INCOMPLETE not in piece:
+            if piece and INCOMPLETE not in piece:
                 self._ids = [t]
                 self._prefix, self._read = 0, 1
                 self._before = piece
@@ -453,7 +250,7 @@ class IncrementalDetokenizer:
         if before is None:
             before = self._before = self._decode(ids[prefix:read]) if read > prefix else ""
         after = self._decode(ids[prefix:] if prefix else ids)
-        if not final and (len(after) <= len(before) or after.endswith(_INCOMPLETE)):
+        if not final and (len(after) <= len(before) or after.endswith(INCOMPLETE)):
             return ""
         # The window starts where the last one ended, at a character boundary.
         if read:
@@ -466,7 +263,7 @@ class IncrementalDetokenizer:
         # (not when the text before ended in a partial character: the window's first tokens
         # finish it, and their text alone differs)
         self._before = (delta if self._concatenative and not final
-                        and not before.endswith(_INCOMPLETE) else None)
+                        and not before.endswith(INCOMPLETE) else None)
         return delta
 
     def _emit(self, delta: str, final: bool) -> str:
