@@ -8,8 +8,8 @@ from importlib import metadata, resources
 from pathlib import Path
 from string import Template
 
-from engine.hookspecs import ENGINE_HOOKS_VERSION
 from engine.errors import EngineError
+from engine.hookspecs import ENGINE_HOOKS_VERSION
 
 NAME_RE = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 MAX_NAME = 40

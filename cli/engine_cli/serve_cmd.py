@@ -93,8 +93,8 @@ def serve_command(**kwargs):
 
 def _serve_node(config: dict, log_level: str) -> None:
     from engine.config import EngineConfig
-    from engine.ranks.launch import serve_node
     from engine.errors import EngineError
+    from engine.ranks.launch import serve_node
 
     try:
         serve_node(EngineConfig.from_kwargs(**config), log_level)

@@ -28,9 +28,9 @@ from typing import Callable
 
 import torch
 
+from engine.errors import EngineError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.attention import forward_context
-from engine.errors import EngineError
 
 logger = logging.getLogger("engine")
 

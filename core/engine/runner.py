@@ -7,6 +7,7 @@ import importlib
 import torch
 
 from engine.device import DeviceInfo
+from engine.errors import EngineError
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
@@ -17,7 +18,6 @@ from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import cpu_half_weights, resolve_dtype
 from engine.models.loader import load_model, weight_bytes
-from engine.errors import EngineError
 
 
 def resolve_model_class(registries, architecture: str):

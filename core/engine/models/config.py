@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.interfaces import AttentionLayerSpec
 from engine.errors import EngineError
+from engine.interfaces import AttentionLayerSpec
 
 # "freq_factors" is ours: explicit per-frequency divisors, read from a GGUF's rope_freqs tensor
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")

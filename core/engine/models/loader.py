@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.checkpoint import Checkpoint
 from engine.errors import EngineError
+from engine.models.checkpoint import Checkpoint
 
 # tensors some checkpoints carry that we recompute instead of loading
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

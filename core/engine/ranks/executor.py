@@ -22,11 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.errors import EngineError
 from engine.ranks import rendezvous
 from engine.ranks.messages import BatchMessage
 from engine.ranks.pipeline import receive_logits, run_stage
 from engine.ranks.world import RankContext, exited, stop_processes
-from engine.errors import EngineError
 
 logger = logging.getLogger("engine.parallel")
 SILENT_AFTER_S = 10.0  # a rank whose heartbeat has not moved for this long is declared gone

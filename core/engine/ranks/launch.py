@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
+from engine.errors import EngineError
 from engine.models import default
 from engine.models.checkpoint import open_checkpoint
 from engine.models.config import ModelConfig
@@ -21,7 +22,6 @@ from engine.plugins import get_registries
 from engine.ranks import rendezvous, worker
 from engine.ranks.executor import ParallelRunner
 from engine.ranks.world import exited, join_world, set_threads, stop_processes, topology
-from engine.errors import EngineError
 from engine.runner import build_runner
 
 logger = logging.getLogger("engine.parallel")

@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.parallel.topology import Topology
 from engine.errors import EngineError
+from engine.parallel.topology import Topology
 
 logger = logging.getLogger("engine.parallel")
 BEAT_S = 1.0  # a worker's heartbeat period

@@ -14,11 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.errors import EngineError
 from engine.parallel.group import TPGroup
 from engine.parallel.stage import make_stage
 from engine.parallel.topology import Topology
 from engine.ranks import rendezvous
-from engine.errors import EngineError
 
 # the control group (rank 0's messages) waits as long as the server idles
 CONTROL_TIMEOUT = timedelta(days=365)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
+from engine.errors import EngineError
 from engine.models.checkpoint.base import Checkpoint
 from engine.models.checkpoint.gguf import GGUFCheckpoint
 from engine.models.checkpoint.hf import HFCheckpoint, load_tokenizer_dir, safetensors_files
-from engine.errors import EngineError
 
 __all__ = ["Checkpoint", "GGUFCheckpoint", "HFCheckpoint", "load_tokenizer_dir",
            "open_checkpoint", "safetensors_files"]

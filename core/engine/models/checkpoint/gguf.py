@@ -21,11 +21,11 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from engine.errors import EngineError
 from engine.models.checkpoint.base import Checkpoint, Keep, dtype_name
 from engine.models.checkpoint.gguf_cache import ShardWriter, file_sha256, write_atomic
 from engine.models.checkpoint.hf import iter_safetensors, load_tokenizer_dir
 from engine.paths import cache_root
-from engine.errors import EngineError
 
 logger = logging.getLogger("engine")
 GGUF_CACHE_VERSION = "v1"  # bump when the conversion changes, so stale caches are not read

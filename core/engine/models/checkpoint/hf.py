@@ -10,8 +10,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from engine.models.checkpoint.base import Checkpoint, Keep
 from engine.errors import EngineError
+from engine.models.checkpoint.base import Checkpoint, Keep
 
 INDEX_FILE = "model.safetensors.index.json"
 
