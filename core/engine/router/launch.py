@@ -9,9 +9,9 @@ import uvicorn
 
 from engine.plugins import get_registries
 from engine.router.front import Router, build_front_app
+from engine.router.placement import Placement, place, usable_cpus, visible_gpus, without_flags
 from engine.router.policy import RouterOptions
-from engine.router.replicas import (Placement, ReplicaSet, place, usable_cpus, visible_gpus,
-                                    without_flags)
+from engine.router.replicas import ReplicaSet
 from engine.server.launch import GracefulServer
 
 logger = logging.getLogger("engine.router")
