@@ -30,7 +30,7 @@ def graph_memory_bytes(max_bs, num_sizes, layers, page_size, max_context_len, op
     (partial outputs and log-sum-exps, float32) a captured size allocates."""
     import torch
 
-    from engine_attention_triton.kernels import num_kv_splits
+    from engine_attention_triton.geometry import num_kv_splits
 
     sms = (torch.cuda.get_device_properties(0).multi_processor_count
            if torch.cuda.is_available() else 132)

@@ -22,7 +22,8 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import AttentionBackend, BackendContext
 
-from engine_attention_triton.kernels import num_kv_splits, paged_attention
+from engine_attention_triton.geometry import num_kv_splits
+from engine_attention_triton.kernels import paged_attention
 
 
 class TritonBackend(AttentionBackend):
