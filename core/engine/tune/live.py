@@ -4,7 +4,7 @@ same behaviour as a new Engine started with that value, without loading the mode
 
 from __future__ import annotations
 
-from engine.memory.sizing import DEFAULT_CHUNKED_PREFILL, REQUEST_POOL_SIZE
+from engine.memory.sizing import DEFAULT_CHUNKED_PREFILL, default_max_running_requests
 
 LIVE = ("schedule_conservativeness", "schedule_policy", "chunked_prefill_size",
         "max_running_requests")
@@ -20,8 +20,7 @@ def sized(engine, name: str, value):
         return value
     if name == "chunked_prefill_size":
         return DEFAULT_CHUNKED_PREFILL[_kind(engine)]
-    total = engine.sizing.max_total_tokens  # sizing.plan's default for --max-running-requests
-    return max(1, min(total // 2, REQUEST_POOL_SIZE[_kind(engine)]))
+    return default_max_running_requests(engine.sizing.max_total_tokens, _kind(engine))
 
 
 def live_problem(engine, name: str, value) -> str | None:
