@@ -14,6 +14,11 @@ Workloads (``--workload``):
   chat template, temperature 0, EOS honoured (needs a chat model: ``--model default``): outputs
   spread from a few tokens to max_new_tokens.
 
+On a chat model (``--model default``) the first three use real chat requests too, greedy:
+``early-eos`` asks "Name k fruits." for k = 2..6 in turn (short answers, EOS honoured),
+``full-length`` the same with EOS ignored (every answer runs to max_new_tokens), ``shift`` the
+first half early-eos, the second half full-length.
+
 Each setting serves the same requests on the same pool; printed per setting: wall time and
 generation throughput (``--repeats`` runs, the last counts: a first run pays for every batch
 shape it is the first to use), mean token usage over the steps with requests waiting (the
@@ -54,14 +59,27 @@ WORKLOADS = ("early-eos", "full-length", "shift", "fruits")
 def workload(kind: str, n: int, vocab: int, stop_ids: int, max_new: int, tokenizer=None,
              seed: int = 0, stride: int = 1):
     """``n`` (prompt ids, sampling params) pairs of workload ``kind``."""
+    chat = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+
+    def ask(k: int) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"Name {k} fruits."}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
     if kind == "fruits":
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if not chat:
             raise SystemExit("--workload fruits needs a chat model (--model default)")
         params = {"temperature": 0, "max_new_tokens": max_new}
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": f"Name {k} fruits."}],
-                                               add_generation_prompt=True, tokenize=False)
-                 for k in range(2, 2 + n * stride, stride)]
-        return [(tokenizer.encode(c, add_special_tokens=False), params) for c in chats]
+        return [(ask(k), params) for k in range(2, 2 + n * stride, stride)]
+    if chat:  # short answers (EOS honoured) and full-length ones (EOS ignored)
+        short = {"temperature": 0, "max_new_tokens": max_new}
+        full = {**short, "ignore_eos": True}
+        prompts = [ask(2 + i % 5) for i in range(n)]
+        if kind == "early-eos":
+            return [(p, short) for p in prompts]
+        if kind == "full-length":
+            return [(p, full) for p in prompts]
+        return [(p, short if i < n // 2 else full) for i, p in enumerate(prompts)]  # shift
     rng = random.Random(seed)
     stops = rng.sample(range(3, vocab), stop_ids)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
@@ -125,7 +143,7 @@ def main() -> None:
         tempfile.mkdtemp(), "LlamaForCausalLM", hidden_size=256, intermediate_size=512,
         num_hidden_layers=4))
     tokenizer = None
-    if kind == "fruits":
+    if args.model != "random":  # a chat model asks real questions (see the workloads)
         from engine.models.checkpoint import open_checkpoint
 
         tokenizer = open_checkpoint(path).load_tokenizer()

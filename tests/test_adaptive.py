@@ -263,3 +263,29 @@ def test_the_cli_takes_auto_and_refuses_a_word():
     assert "'fast' is neither a number nor 'auto'" in out.output
     help_text = CliRunner().invoke(cli, ["serve", "--help"]).output
     assert "--schedule-conservativeness FLOAT|auto" in help_text
+
+
+def test_requests_of_one_length_are_paced_out_of_lockstep(model):
+    """Full-length requests admitted together finish together: a pool filled in lockstep is
+    half used on average. Once enough have finished, auto admits them spread out (pacing), so
+    it takes fewer steps than 1.0, which breaks the lockstep by retracting."""
+    prompts, params = workload(64, 32, early_eos=False)
+    fixed, auto = (serve(model, c, prompts, params, pool=256) for c in (1.0, "auto"))
+    assert auto["outputs"] == fixed["outputs"]
+    assert auto["retracted"] == 0, auto["retracted"]
+    assert auto["steps"] < fixed["steps"], (auto["steps"], fixed["steps"])
+
+
+def test_pacing_refuses_a_second_request_that_would_finish_with_the_first():
+    ratio = AdaptiveRatio()
+    for i in range(8):  # eight requests ran to max_new_tokens: lengths are all the same
+        ratio.finished(req(64, 64, arrival=i, reason="length"))
+    ratio.steps = 5
+    plan = ratio.plan([], capacity=1024)
+    first, second = req(0, 64, arrival=8), req(0, 64, arrival=9)
+    assert plan.reservation(first, 10) < 1024
+    plan.admitted(first, 10)
+    assert plan.reservation(second, 10) == float("inf")  # it would finish in first's bin
+    without = ratio.plan([], capacity=None)  # no capacity: no pacing
+    without.admitted(first, 10)
+    assert without.reservation(second, 10) < 1024

@@ -127,9 +127,10 @@ class PeakPlan:
     """
 
     def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float,
-                 capacity: float | None = None):
+                 capacity: float | None = None, now: int = 0):
         self.curve, self.z, self.risk = curve, z, risk
         self.capacity = capacity  # the pool's tokens: pacing (None: no pacing)
+        self.now = now  # decode steps so far: pacing's bins are fixed in time, not to now
         self.rows = rows
         self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
         self._build()
@@ -151,12 +152,8 @@ class PeakPlan:
         ran on, summed over requests (the curve misleads about all of them at once)."""
         if len(rows.p) == 0:
             return np.zeros(GRID), np.zeros(GRID), np.zeros(GRID)
-        t = self.t[None, :]
-        s_now = self.curve(rows.p)
-        s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
-        live = t < rows.rem[:, None]  # max_new_tokens ends it
-        q = np.where(live, np.minimum(self.curve(rows.p[:, None] + t / rows.m[:, None])
-                                      / s_now, 1.0), 0.0)
+        q = self.alive(rows, self.t)
+        live = self.t[None, :] < rows.rem[:, None]
         # an upper bound over [t_j, t_j+1]: alive as at t_j, grown as at t_j+1 (or its end),
         # so that a peak between two grid points is not missed
         grown = np.minimum(self.t_next[None, :], rows.rem[:, None])
@@ -164,9 +161,22 @@ class PeakPlan:
         mean = q * spread - rows.own[:, None]
         var = q * (1 - q) * spread ** 2
         gap = np.where(live, (1 - q) * spread, 0.0)
+        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0), self.per_bin(q)
+
+    def alive(self, rows: Rows, t: np.ndarray) -> np.ndarray:
+        """[rows, len(t)]: the probability that each request is still running t steps from
+        now (max_new_tokens ends it at its ``rem``)."""
+        s_now = self.curve(rows.p)
+        s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
+        q = np.minimum(self.curve(rows.p[:, None] + t[None, :] / rows.m[:, None]) / s_now, 1.0)
+        return np.where(t[None, :] < rows.rem[:, None], q, 0.0)
+
+    @staticmethod
+    def per_bin(q: np.ndarray) -> np.ndarray:
+        """Expected finishes per bin [t_k, t_k+1) of ``q``'s horizons (the last: from t_last
+        on), summed over the requests."""
         qs = q.sum(0)
-        finishes = np.append(qs[:-1] - qs[1:], qs[-1])
-        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0), finishes
+        return np.append(qs[:-1] - qs[1:], qs[-1])
 
     def _peak(self, mean, var) -> float:
         return float(max((mean + self.z * np.sqrt(var)).max(), 0.0))
@@ -185,29 +195,38 @@ class PeakPlan:
         # against the peak already promised (a wider grid may have moved self.peak)
         return self._peak(self.mean + mean, self.var + var) - self.committed - extend
 
-    def pace(self, cand: Rows) -> float | None:
-        """The finishes a bin may hold (PACE_SLACK x the steady-state rate x the bin's
-        width), for requests like ``cand``; None without pacing."""
-        if self.capacity is None:
-            return None
+    def spacing(self, cand: Rows) -> float:
+        """Steps between two finishes when the pool is kept full of requests like ``cand``
+        (steady state): a request's expected token-steps (prompt x E[L] + E[L^2] / 2) over
+        the pool's tokens."""
         grid = np.linspace(0.0, 1.0, 257)
         s = self.curve(grid)
         dx = np.diff(grid)
         m = float(cand.m[0])
         length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
         square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]: 2x S(x)
-        area = float(cand.start[0]) * length + square / 2  # token-steps of one request
-        width = self.horizon / (GRID - 1)
-        return PACE_SLACK * self.capacity * width / max(area, 1.0)
+        area = float(cand.start[0]) * length + square / 2
+        return max(area, 1.0) / self.capacity
 
     def crowded(self, cand: Rows, finishes: np.ndarray) -> bool:
         """Whether the requests expected to finish in ``cand``'s bins (weighted by its own
-        finish probability there, itself included) exceed the pace."""
-        pace = self.pace(cand)
-        if pace is None:
+        finish probability there, itself included) exceed PACE_SLACK x the steady-state rate.
+        Bins are at least one steady-state spacing wide and fixed in time (a request that
+        finishes a step after another, admitted a step later, falls in its bin)."""
+        if self.capacity is None:
             return False
-        crowd = float((finishes * (self.finishes + finishes)).sum())
-        return crowd > max(pace, 1.0)
+        spacing = self.spacing(cand)
+        width = self.horizon / (GRID - 1)
+        if spacing <= width:  # the plan's own grid is fine enough
+            crowd = float((finishes * (self.finishes + finishes)).sum())
+            return crowd > max(PACE_SLACK * width / spacing, 1.0)
+        # bins of one spacing, their edges at multiples of it counted from the first step
+        first = spacing - self.now % spacing
+        edges = np.concatenate([[0.0], np.arange(first, self.horizon + spacing, spacing)])
+        own = self.per_bin(self.alive(cand, edges))
+        others = self.per_bin(self.alive(self.rows, edges)) if len(self.rows.p) else 0.0
+        crowd = float((own * (others + own)).sum())
+        return crowd > max(PACE_SLACK, 1.0)
 
     def admitted(self, req, extend: int) -> None:
         if not req.params.max_new_tokens:
@@ -278,6 +297,7 @@ class AdaptiveRatio:
         self.seen_finishes = self.predicted_finishes = CALIBRATION_PRIOR
         self._predicted_now: float | None = None  # what this step's plan expects to finish
         self._finished_now = 0
+        self.steps = 0  # decode steps (pacing's clock)
 
     @property
     def hazard(self) -> float:
@@ -346,7 +366,7 @@ class AdaptiveRatio:
         self.z = self.priced_z(curve, rows)
         pending = float(sum(r.seq_len - r.alloc_len for r in running if r.seq_len > r.alloc_len))
         pacing = capacity if len(self.done_share) >= PACE_MIN_FINISHED else None
-        plan = PeakPlan(curve, rows, pending, self.z, self.risk, pacing)
+        plan = PeakPlan(curve, rows, pending, self.z, self.risk, pacing, self.steps)
         # the calibration compares the uncalibrated curve's prediction with what happens
         self._predicted_now = self._expected_finishes(curve, rows) / self.hazard
         self._finished_now = 0  # the finishes of this step's forward are what it predicted
@@ -367,6 +387,7 @@ class AdaptiveRatio:
 
     def step(self) -> None:
         """A decode step ran: fold its finishes and the plan's prediction into the calibration."""
+        self.steps += 1
         if self._predicted_now is None:  # no plan this step: nothing to compare
             self._finished_now = 0
             return
