@@ -35,16 +35,17 @@ the predicted *peak* of that usage, with it added, fits the pool:
   over the mean running request's length, and that comes back down as requests finish
   (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
   machine; no wall-clock hold).
-- Pacing: requests of one length admitted together finish together, and a pool filled in
-  lockstep is on average only (prompt + L/2) / (prompt + L) used (0.55 for prompts of 28 and
-  L = 256), where requests spread over their lifetimes keep it nearly full. Admitting only what
-  fits the peak cannot break such a cohort; SGLang's schedule breaks it by overcommitting and
-  retracting. ``auto`` paces instead: the plan also predicts, per bin of the horizon grid, how
-  many requests will finish there (q's drops), and a candidate is admitted only if the
-  expected number of requests finishing in its bin, itself included, stays within PACE_SLACK x
-  the steady-state rate: the pool's tokens / a request's expected token-steps (prompt x E[L] +
-  E[L^2] / 2), x the bin's width. Requests whose lengths spread (chat) never come near it;
-  equal lengths are admitted a few per bin, so that they finish spread out. It applies once
+- Pacing (peak_plan.py): requests of one length admitted together finish together, and a pool
+  filled in lockstep is on average only (prompt + L/2) / (prompt + L) used (0.55 for prompts of
+  28 and L = 256), where requests spread over their lifetimes keep it nearly full. Admitting
+  only what fits the peak cannot break such a cohort; SGLang's schedule breaks it by
+  overcommitting and retracting. ``auto`` paces instead: the plan also predicts when the
+  running requests will finish, in bins one steady-state spacing wide (a request's expected
+  token-steps, prompt x E[L] + E[L^2] / 2, over the pool's tokens: the steps between two
+  finishes when the pool is kept full) and fixed in time (counted in decode steps), and admits
+  a candidate only while the requests expected to finish in its bin, itself included, stay
+  within PACE_SLACK. Requests whose lengths spread (chat) never come near it; equal lengths are
+  admitted about one spacing apart, so that they finish spread out. It applies once
   PACE_MIN_FINISHED requests finished (before that the curve is only its prior, which says
   every request runs to max_new_tokens).
 """
@@ -56,13 +57,14 @@ from statistics import NormalDist
 
 import numpy as np
 
-from engine.scheduler.admission import CLIP_MAX_NEW_TOKENS, NewTokenRatio, reservable_tokens
+from engine.scheduler.admission import NewTokenRatio, reservable_tokens
+from engine.scheduler.peak_plan import PeakPlan, Rows
+from engine.scheduler.survival import SurvivalCurve
 
 AUTO = "auto"
 WINDOW = 256  # finished requests the curve remembers (with the running ones)
 HALF_LIFE = 48.0  # an observation's weight halves every this many later arrivals
 PRIOR_WEIGHT = 0.5  # pseudo-requests running to max_new_tokens (weight of a fresh request: 1)
-GRID = 32  # horizons at which the usage is predicted (0 .. the longest remaining output)
 Z_MIN, Z_MAX = 0.5, 4.0  # the priced z is kept in this range
 MODEL_RISK = 0.2  # share of the gap to running to max_new_tokens always reserved
 RETRACT_RISK = 0.3  # a retraction adds this x its recompute / the mean running length ...
@@ -71,8 +73,8 @@ RISK_DECAY = 1 / 16  # ... which falls by this share per request that finishes
 CALIBRATION_DECAY = 0.9  # per step with a plan: finishes seen vs predicted, over ~10 steps ...
 CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of each
 HAZARD_MIN = 0.05
-PACE_SLACK = 1.5  # a finish-time bin may hold this x its steady-state share of finishes ...
-PACE_MIN_FINISHED = 8  # ... once this many requests finished (the curve is evidence, not prior)
+PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
+# the curve is only its prior
 
 
 def make_ratio(conservativeness):
@@ -84,199 +86,6 @@ def make_ratio(conservativeness):
 
 def _share(req) -> float:
     return min(len(req.output_ids) / req.params.max_new_tokens, 1.0)
-
-
-class SurvivalCurve:
-    """A weighted Kaplan-Meier estimate S(x) = P(share > x) (a step function)."""
-
-    def __init__(self, shares, events, weights, hazard: float = 1.0):
-        shares = np.asarray(shares, dtype=np.float64)
-        events = np.asarray(events, dtype=bool)
-        weights = np.asarray(weights, dtype=np.float64)
-        order = np.lexsort((events.astype(np.int8) * -1, shares))  # at ties, events first
-        self.x = shares[order]
-        w, ev = weights[order], events[order]
-        at_risk = np.cumsum(w[::-1])[::-1]  # weight of the observations from here on
-        factor = np.where(ev, 1.0 - w / np.maximum(at_risk, 1e-12), 1.0)
-        self.hazard = hazard
-        self.s = np.cumprod(factor) ** hazard  # S just after each observation
-
-    def __call__(self, x):
-        """S at ``x`` (an array): the product over the events at shares <= x."""
-        i = np.searchsorted(self.x, x, side="right")
-        return np.where(i > 0, self.s[np.maximum(i - 1, 0)], 1.0)
-
-    def expected_share(self, p: float = 0.0) -> float:
-        """The share of max_new_tokens a request alive at share ``p`` is expected to add:
-        the integral of S(x) / S(p) over [p, 1]."""
-        grid = np.linspace(p, 1.0, 257)
-        s = self(grid)
-        sp = s[0] if s[0] > 0 else 1.0
-        area = float(((s[1:] + s[:-1]) / 2 * np.diff(grid)).sum())  # the trapezoid rule
-        return area / sp
-
-
-class PeakPlan:
-    """One step's admission against the predicted peak of the pool's usage.
-
-    ``held``: what the running requests are counted for (the peak over the horizons of E + z·σ
-    + risk x the gap to running to max_new_tokens, plus the prompt tokens that have no slot
-    yet); ``reservation(req, extend)``: how much a candidate would raise that peak beyond its
-    ``extend`` prompt tokens (the scheduler admits it when ``extend + reservation`` fits the
-    room left, i.e. when the new peak fits the pool); ``admitted``: it was.
-    """
-
-    def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float,
-                 capacity: float | None = None, now: int = 0):
-        self.curve, self.z, self.risk = curve, z, risk
-        self.capacity = capacity  # the pool's tokens: pacing (None: no pacing)
-        self.now = now  # decode steps so far: pacing's bins are fixed in time, not to now
-        self.rows = rows
-        self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
-        self._build()
-        self.committed = self.peak  # the peak the scheduler's reserve stands for
-        self.held = self.peak + pending
-
-    def _build(self) -> None:
-        self.t = np.linspace(0.0, self.horizon, GRID)
-        self.t_next = np.append(self.t[1:], self.horizon)
-        self.mean, self.var, self.finishes = self.moments(self.rows)
-        self.peak = self._peak(self.mean, self.var)
-
-    def moments(self, rows: Rows):
-        """E and Var of the usage change at each horizon, summed over ``rows``, and the
-        expected finishes per bin [t_j, t_j+1) (the last bin: from t_last on). Alive at t
-        (probability q) a request holds ``start`` + t more slots than now; finished, it gave
-        back ``own`` (a running request: start 0; a candidate: start = its prompt, own 0).
-        The mean includes the model risk: ``risk`` x (1 - q) x the slots it would hold if it
-        ran on, summed over requests (the curve misleads about all of them at once)."""
-        if len(rows.p) == 0:
-            return np.zeros(GRID), np.zeros(GRID), np.zeros(GRID)
-        q = self.alive(rows, self.t)
-        live = self.t[None, :] < rows.rem[:, None]
-        # an upper bound over [t_j, t_j+1]: alive as at t_j, grown as at t_j+1 (or its end),
-        # so that a peak between two grid points is not missed
-        grown = np.minimum(self.t_next[None, :], rows.rem[:, None])
-        spread = rows.start[:, None] + grown + rows.own[:, None]  # alive minus finished
-        mean = q * spread - rows.own[:, None]
-        var = q * (1 - q) * spread ** 2
-        gap = np.where(live, (1 - q) * spread, 0.0)
-        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0), self.per_bin(q)
-
-    def alive(self, rows: Rows, t: np.ndarray) -> np.ndarray:
-        """[rows, len(t)]: the probability that each request is still running t steps from
-        now (max_new_tokens ends it at its ``rem``)."""
-        s_now = self.curve(rows.p)
-        s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
-        q = np.minimum(self.curve(rows.p[:, None] + t[None, :] / rows.m[:, None]) / s_now, 1.0)
-        return np.where(t[None, :] < rows.rem[:, None], q, 0.0)
-
-    @staticmethod
-    def per_bin(q: np.ndarray) -> np.ndarray:
-        """Expected finishes per bin [t_k, t_k+1) of ``q``'s horizons (the last: from t_last
-        on), summed over the requests."""
-        qs = q.sum(0)
-        return np.append(qs[:-1] - qs[1:], qs[-1])
-
-    def _peak(self, mean, var) -> float:
-        return float(max((mean + self.z * np.sqrt(var)).max(), 0.0))
-
-    def reservation(self, req, extend: int) -> float:
-        if not req.params.max_new_tokens:
-            return 0.0
-        cand = Rows.of([req], candidate_extend=extend)
-        if cand.rem[0] > self.horizon:  # it may run longer than any running request: widen
-            self.horizon = float(cand.rem[0])
-            self._build()
-        mean, var, finishes = self.moments(cand)
-        self._last = (req, extend, cand, mean, var, finishes)  # ``admitted`` adds these
-        if self.crowded(cand, finishes):
-            return float("inf")  # not this step: it would finish in a crowd
-        # against the peak already promised (a wider grid may have moved self.peak)
-        return self._peak(self.mean + mean, self.var + var) - self.committed - extend
-
-    def spacing(self, cand: Rows) -> float:
-        """Steps between two finishes when the pool is kept full of requests like ``cand``
-        (steady state): a request's expected token-steps (prompt x E[L] + E[L^2] / 2) over
-        the pool's tokens."""
-        grid = np.linspace(0.0, 1.0, 257)
-        s = self.curve(grid)
-        dx = np.diff(grid)
-        m = float(cand.m[0])
-        length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
-        square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]: 2x S(x)
-        area = float(cand.start[0]) * length + square / 2
-        return max(area, 1.0) / self.capacity
-
-    def crowded(self, cand: Rows, finishes: np.ndarray) -> bool:
-        """Whether the requests expected to finish in ``cand``'s bins (weighted by its own
-        finish probability there, itself included) exceed PACE_SLACK x the steady-state rate.
-        Bins are at least one steady-state spacing wide and fixed in time (a request that
-        finishes a step after another, admitted a step later, falls in its bin)."""
-        if self.capacity is None:
-            return False
-        spacing = self.spacing(cand)
-        width = self.horizon / (GRID - 1)
-        if spacing <= width:  # the plan's own grid is fine enough
-            crowd = float((finishes * (self.finishes + finishes)).sum())
-            return crowd > max(PACE_SLACK * width / spacing, 1.0)
-        # bins of one spacing, their edges at multiples of it counted from the first step
-        first = spacing - self.now % spacing
-        edges = np.concatenate([[0.0], np.arange(first, self.horizon + spacing, spacing)])
-        own = self.per_bin(self.alive(cand, edges))
-        others = self.per_bin(self.alive(self.rows, edges)) if len(self.rows.p) else 0.0
-        crowd = float((own * (others + own)).sum())
-        return crowd > max(PACE_SLACK, 1.0)
-
-    def admitted(self, req, extend: int) -> None:
-        if not req.params.max_new_tokens:
-            return
-        last = getattr(self, "_last", None)
-        if last is None or last[0] is not req or last[1] != extend:
-            self.reservation(req, extend)
-        _, _, cand, mean, var, finishes = self._last
-        self.rows = self.rows.plus(cand)
-        self.mean, self.var = self.mean + mean, self.var + var
-        self.finishes = self.finishes + finishes
-        self.peak = self._peak(self.mean, self.var)
-        self.committed = self.peak
-
-
-class Rows:
-    """Requests as arrays: share p, max_new m, remaining tokens, slots given back when they
-    finish (own), slots taken when admitted (start), arrival."""
-
-    __slots__ = ("p", "m", "rem", "own", "start", "arrival")
-
-    def __init__(self, p, m, rem, own, start, arrival):
-        self.p, self.m, self.rem = p, m, rem
-        self.own, self.start, self.arrival = own, start, arrival
-
-    @classmethod
-    def of(cls, reqs, candidate_extend: int | None = None) -> Rows:
-        # one pass over the requests (a step with hundreds running must stay cheap)
-        a = np.array([(r.params.max_new_tokens, len(r.output_ids), len(r.prompt_ids),
-                       r.cached_tokens, r.arrival) for r in reqs if r.params.max_new_tokens],
-                     dtype=np.float64).reshape(-1, 5)
-        m, out, prompt, cached, arrival = a.T
-        rem = np.clip(m - out, 0, CLIP_MAX_NEW_TOKENS)  # admission.reservable_tokens
-        if candidate_extend is None:  # running: finishing gives back all but the prefix it
-            own = np.maximum(prompt + out - cached, 0)  # found cached (others hold that)
-            start = np.zeros(len(m))
-        else:
-            own, start = np.zeros(len(m)), np.full(len(m), float(candidate_extend))
-        return cls(np.minimum(out / m, 1.0), m, rem, own, start, arrival)
-
-    @property
-    def victim_len(self) -> float:
-        """Prompt + generated tokens of the request retraction would pick first (the fewest
-        generated; retract.pick_victims), less what it found cached."""
-        out = self.p * self.m
-        return float((self.own)[np.argmin(out)]) if len(out) else 0.0
-
-    def plus(self, other: Rows) -> Rows:
-        return Rows(*(np.concatenate([getattr(self, k), getattr(other, k)])
-                      for k in self.__slots__))
 
 
 class AdaptiveRatio:
