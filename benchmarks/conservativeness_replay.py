@@ -40,10 +40,6 @@ RECORDED = {"fruits": "fruits", "early-eos": "early-eos", "full-length": "early-
             "shift": "early-eos"}
 
 
-def prompts(kind: str, n: int, tokenizer) -> list[list[int]]:
-    return [p for p, _ in workload(kind, n, 500, 24, MAX_NEW, tokenizer)]
-
-
 def record(path: str, n: int, tokenizer) -> dict:
     out = {}
     for kind in ("fruits", "early-eos"):
@@ -90,8 +86,7 @@ def replay(model: str, kind: str, lengths: list[int], real_prompts, conservative
         steps += 1
     assert all(len(r.output_ids) == min(target[r.rid], MAX_NEW) for r in reqs)
     return {"steps": steps, "generated": sum(len(r.output_ids) for r in reqs),
-            "usage": sum(usage) / max(len(usage), 1), "retracted": s.counters.retracted_reqs,
-            "prefilled": s.counters.prompt_tokens}
+            "usage": sum(usage) / max(len(usage), 1), "retracted": s.counters.retracted_reqs}
 
 
 def main() -> None:
@@ -115,7 +110,8 @@ def main() -> None:
         raise SystemExit(f"no recorded lengths in {args.lengths}: run with --record first")
     with open(args.lengths) as f:
         lengths = json.load(f)[RECORDED[args.workload]]
-    real = prompts(RECORDED[args.workload], len(lengths), tokenizer)
+    real = [p for p, _ in workload(RECORDED[args.workload], len(lengths), 500, 24, MAX_NEW,
+                                   tokenizer)]
     model = make_tiny_model(tempfile.mkdtemp(), "LlamaForCausalLM", hidden_size=64,
                             intermediate_size=128, num_hidden_layers=1)
     print(f"replay of SmolLM2's {args.workload} lengths: {len(lengths)} requests, max_new_tokens "
