@@ -178,6 +178,11 @@ ENGINE_OPTIONS = [
                  help="The exact decode batch sizes to capture, e.g. \"1,2,4,8,16\"."),
     click.option("--disable-cuda-graph", "--enforce-eager", "disable_cuda_graph", is_flag=True,
                  help="Run every decode step eagerly (no CUDA graphs)."),
+    click.option("--cpu-graph-max-bs", default=_D.cpu_graph_max_bs, type=int,
+                 help="On a CPU, decode batches of up to this many requests replay the CPU "
+                      "graph (the forward recorded once as C nodes: one call a step)."),
+    click.option("--disable-cpu-graph", is_flag=True,
+                 help="On a CPU, run every decode step eagerly (torch ops), no CPU graph."),
     # vLLM's spellings of the same knobs (both spellings with different values: an error)
     click.option("--gpu-memory-utilization", type=float,
                  help="vLLM's name for --mem-fraction-static."),

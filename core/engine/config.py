@@ -57,6 +57,9 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None  # the exact sizes to capture
     disable_cuda_graph: bool = False
+    # CPU graphs for decode batches of up to cpu_graph_max_bs requests (engine/cpu_graph)
+    cpu_graph_max_bs: int = 64
+    disable_cpu_graph: bool = False
     # parallelism: tp_size x pp_size ranks (worker processes; engine/ranks), over nnodes
     # nodes that meet at dist_init_addr (host:port); dp_size replicas are the router's (one
     # Engine is one replica)
@@ -121,6 +124,8 @@ class EngineConfig:
              f"--torch-compile-max-bs must be >= 1, got {self.torch_compile_max_bs}")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        need(self.cpu_graph_max_bs >= 1,
+             f"--cpu-graph-max-bs must be >= 1, got {self.cpu_graph_max_bs}")
         need(not self.cuda_graph_bs or min(self.cuda_graph_bs) >= 1,
              f"--cuda-graph-bs sizes must be >= 1, got {self.cuda_graph_bs}")
         need(self.decode_log_interval >= 1,

@@ -83,6 +83,7 @@ class Engine:
         """Load and start, step by step (engine/startup.py)."""
         import torch
 
+        from engine.cpu_graph.replay import build_cpu_graph
         from engine.cuda_graph import capture_decode_graphs
         from engine.grammar import build_compiler
 
@@ -99,6 +100,7 @@ class Engine:
         warm_up_compiled(self.runner, config)
         self.cuda_graph = capture_decode_graphs(self.runner, config, self.device, sizing,
                                                 self.attention_backend)
+        self.cpu_graph = build_cpu_graph(self.runner, config, self.device)
         self.eos_token_ids = eos_ids(self.runner.model_config, self.tokenizer)
         self.grammar = build_compiler(self.grammar_entry, self.tokenizer,
                                       self.runner.model_config.vocab_size)

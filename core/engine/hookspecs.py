@@ -14,7 +14,8 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
-ENGINE_HOOKS_VERSION = "1.2"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels
+ENGINE_HOOKS_VERSION = "1.3"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
+# 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h)
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from engine.memory.kv_pool import KVPool
 
 
+class GraphUnsupported(Exception):
+    """A part of the model cannot run in a CPU graph: the message says which and why (the
+    start log's "cpu graph: off (...)")."""
+
+
 @dataclass
 class AttentionLayerSpec:
     """What a backend needs to know about one attention layer."""
@@ -84,6 +89,18 @@ class AttentionBackend(ABC):
         current). Must not allocate tensors the captured graph would read."""
         raise NotImplementedError
 
+    # -- CPU graphs (decode batches on a CPU; see engine/cpu_graph) -----------------------------
+    def cpu_graph_nodes(self, layer_id: int, q: "torch.Tensor", k: "torch.Tensor",
+                        v: "torch.Tensor", out: "torch.Tensor", max_rows: int) -> list:
+        """C nodes (``engine.cpu_graph.GraphNode``) that do what :meth:`forward` does for a
+        decode step of up to ``max_rows`` requests, reading the step (rows, positions, slots,
+        request rows, lengths) from graph.h's ``ek_step_t``: store row r's k and v at
+        ``out_cache_loc[r]`` and write its attention output. ``q`` [max_rows, H * D], ``k`` and
+        ``v`` [max_rows, KVH * D] and ``out`` [max_rows, H * D] are float32 buffers (views with
+        a row stride) that stay put. Raise ``GraphUnsupported`` saying why not (the default)."""
+        raise GraphUnsupported(f"attention backend {type(self).__name__} has no CPU graph "
+                               f"nodes (the cpu backend has)")
+
 
 class SchedulePolicy(ABC):
     """Orders the waiting queue each step."""
@@ -149,6 +166,14 @@ class LinearKernel(ABC):
         row] in the file's layout, the weight [n, k]. Optional (a kernel for float weights
         has none)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no {fmt} blocks")
+
+    def graph_nodes(self, packed: Any, bias: "torch.Tensor | None", x: "torch.Tensor",
+                    y: "torch.Tensor", max_rows: int) -> list:
+        """C nodes (``engine.cpu_graph.GraphNode``) computing ``y[:rows] = x[:rows] @ W.T +
+        bias`` for the rows of a CPU-graph step (graph.h's ``ek_step_t.rows`` <= ``max_rows``);
+        ``x`` and ``y`` are float32 buffers [max_rows, ...] (views with a row stride) that stay
+        put. Optional: raise ``GraphUnsupported`` saying why not (the default)."""
+        raise GraphUnsupported(f"linear kernel {type(self).__name__} has no CPU graph nodes")
 
 
 class ParallelStrategy(ABC):

@@ -73,6 +73,7 @@ class ModelRunner:
         self.backend = None
         self.cuda_graphs = None  # a CudaGraphRunner once init_cuda_graphs() captured them
         self.last_cuda_graph = False  # whether the latest forward replayed a graph
+        self.cpu_graph = None  # a CpuGraphRunner once init_cpu_graph() recorded it
 
     def _pack_linears(self, ckpt, registries, half_weights: bool, parallel: bool,
                       quantized: bool) -> str:
@@ -145,6 +146,15 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(self, sizes, graph_cls)
         return self.cuda_graphs.capture()
 
+    def init_cpu_graph(self, max_rows: int):
+        """Record the decode forward as a CPU graph for up to ``max_rows`` requests (see
+        engine/cpu_graph); raises GraphUnsupported saying why it cannot."""
+        from engine.cpu_graph.replay import CpuGraphRunner
+
+        assert self.backend is not None, "call init_kv_pool() before init_cpu_graph()"
+        self.cpu_graph = CpuGraphRunner(self, max_rows)
+        return self.cpu_graph
+
     def forward(self, batch: ForwardBatch, return_all_logits: bool = False,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, V] at each request's last new token ([T, V] with
@@ -157,6 +167,9 @@ class ModelRunner:
         if self.last_cuda_graph:
             with torch.inference_mode():
                 return graphs.replay(batch).float()
+        cpu_graph = self.cpu_graph
+        if cpu_graph is not None and not return_all_logits and cpu_graph.can_run(batch):
+            return cpu_graph.replay(batch)
         stage = {} if self.pp is None else {"hidden": hidden}
         with torch.inference_mode():
             self.backend.init_forward_metadata(batch)

@@ -147,6 +147,8 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
     if engine.parallel is not None:
         lines.append(runner.describe())
     lines.append(engine.cuda_graph)
+    if engine.cpu_graph:
+        lines.append(engine.cpu_graph)
     if resolved.kv.obj.needs_scale:
         scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
                   "1.0 (none in the checkpoint)")

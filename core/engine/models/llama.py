@@ -116,6 +116,32 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def cpu_graph(self, g, bufs: dict, cos_sin: torch.Tensor,
+                  add: torch.Tensor | None) -> torch.Tensor:
+        """Record this layer's decode forward (see LlamaForCausalLM.cpu_graph): ``bufs["h"]``
+        is the residual stream, to which ``add`` (the previous layer's MLP output) is added
+        first; returns this layer's MLP output, for the next one to add."""
+        sa, mlp, b = self.self_attn, self.mlp, bufs
+        H, KVH, D = sa.num_heads, sa.num_kv_heads, sa.head_dim
+        where = f"layer {sa.global_id}"
+        norm = self.input_layernorm
+        g.rmsnorm(b["h"], norm.weight, norm.eps, b["x"], add)
+        qkv = b["qkv"]
+        g.linear(sa.qkv_proj, b["x"], qkv, f"{where}'s qkv_proj")
+        qk_norm = hasattr(sa, "q_norm")
+        g.rope(qkv, H + KVH, D, cos_sin, sa.q_norm.weight if qk_norm else None,
+               sa.k_norm.weight if qk_norm else None, H, sa.q_norm.eps if qk_norm else 0.0)
+        g.attention(sa.attn.layer_id, qkv[:, : H * D], qkv[:, H * D: (H + KVH) * D],
+                    qkv[:, (H + KVH) * D:], b["attn"])
+        g.linear(sa.o_proj, b["attn"], b["o"], f"{where}'s o_proj")
+        norm = self.post_attention_layernorm
+        g.rmsnorm(b["h"], norm.weight, norm.eps, b["x"], b["o"])
+        inter = mlp.gate_up_proj.shard_sizes[0]
+        g.linear(mlp.gate_up_proj, b["x"], b["gate_up"], f"{where}'s gate_up_proj")
+        g.silu_mul(b["gate_up"], inter, b["act"])
+        g.linear(mlp.down_proj, b["act"], b["down"], f"{where}'s down_proj")
+        return b["down"]
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
@@ -222,3 +248,29 @@ class LlamaForCausalLM(nn.Module):
         if not return_all_logits:
             h = h[batch.logits_indices]  # the norm is per token, so select before it
         return self.lm_head(self.model.norm(h))
+
+    def cpu_graph(self, g) -> torch.Tensor:
+        """Record a decode forward as CPU-graph nodes (engine/cpu_graph: ``g`` is its
+        GraphBuilder): embedding, every layer, the final norm and the LM head, over float32
+        buffers of ``g.max_rows`` rows; returns the logits buffer [max_rows, vocab]. Raises
+        GraphUnsupported for what has no node (tensor or pipeline parallel layers, ...)."""
+        from engine.interfaces import GraphUnsupported
+
+        if self.pp is not None or not isinstance(self.model.embed_tokens, Embedding) or \
+                not isinstance(self.lm_head, LMHead):
+            raise GraphUnsupported("tensor- or pipeline-parallel layers")
+        c, m = self.config, self.model
+        sa, mlp = m.layers[0].self_attn, m.layers[0].mlp
+        q, kv = sa.num_heads * sa.head_dim, sa.num_kv_heads * sa.head_dim
+        bufs = {"h": g.buffer(c.hidden_size), "x": g.buffer(c.hidden_size),
+                "qkv": g.buffer(q + 2 * kv), "attn": g.buffer(q), "o": g.buffer(c.hidden_size),
+                "gate_up": g.buffer(mlp.gate_up_proj.out_features),
+                "act": g.buffer(mlp.down_proj.in_features), "down": g.buffer(c.hidden_size)}
+        g.embed(m.embed_tokens.weight, bufs["h"])
+        add = None
+        for layer in m.layers:
+            add = layer.cpu_graph(g, bufs, m.rotary_emb.cos_sin, add)
+        g.rmsnorm(bufs["h"], m.norm.weight, m.norm.eps, bufs["x"], add)
+        logits = g.buffer(c.vocab_size)
+        g.linear(self.lm_head, bufs["x"], logits, "the LM head")
+        return logits

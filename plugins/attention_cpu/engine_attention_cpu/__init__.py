@@ -3,6 +3,8 @@ with the system compiler), and torch SDPA for prompt chunks."""
 
 from engine import hookimpl
 
+ENGINE_HOOKS_VERSION = "1.3"  # the decode node of CPU graphs (cpu_graph_nodes, graph.h)
+
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 

@@ -14,7 +14,7 @@ import torch
 from engine.attention.torch_native import TorchNativeBackend, bucket_prompts, split_rows
 from engine.forward_batch import ForwardBatch
 
-from engine_attention_cpu.kernel import decode_attention
+from engine_attention_cpu.kernel import DTYPES, decode_attention, load
 
 
 class CPUBackend(TorchNativeBackend):
@@ -46,3 +46,46 @@ class CPUBackend(TorchNativeBackend):
                          pool.v_scale[layer_id])
         self.attend_groups(q, layer_id, out)
         return out.to(q.dtype)
+
+    def cpu_graph_nodes(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, max_rows: int) -> list:
+        """Two CPU-graph nodes per layer (engine.cpu_graph): each decode row's K and V stored
+        at its slot as ``KVDtype.store`` stores them (a cast, or scaled and clamped) and the
+        kernel's attention over the step's rows; then the merge of the requests whose keys
+        were split between threads. Every layer's nodes share one scratch for the split."""
+        import ctypes
+
+        from engine.cpu_graph import CArgs, GraphNode, GraphUnsupported
+        from engine.interfaces import KVDtype
+
+        pool, spec = self.kv_pool, self.layers[layer_id]
+        kbuf, vbuf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        if type(pool.kv_dtype) is not KVDtype or kbuf.dtype not in DTYPES:
+            raise GraphUnsupported(f"the KV cache ({pool.kv_dtype}) is stored by its plugin; "
+                                   f"the cpu backend's graph node writes plain K/V")
+        if k.stride(0) != v.stride(0):
+            raise GraphUnsupported("the cpu backend's graph node takes k and v rows of one "
+                                   "stride")
+        lib = load()
+        H, KVH, D = spec.num_heads, spec.num_kv_heads, kbuf.shape[-1]
+        size = lib.ek_attention_partial_bytes(H, D)
+        scratch = getattr(self, "_graph_scratch", None)
+        if scratch is None or scratch.numel() < size:
+            scratch = self._graph_scratch = torch.empty(size, dtype=torch.uint8)
+        args = lib.ek_attention_node_args(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
+            out.stride(0), kbuf.data_ptr(), vbuf.data_ptr(), DTYPES[kbuf.dtype],
+            int(pool.needs_scale), H, KVH, D, spec.sliding_window or 0, spec.scaling,
+            pool.k_scale[layer_id], pool.v_scale[layer_id], scratch.data_ptr())
+        if not args:
+            raise GraphUnsupported(f"the cpu backend's graph node cannot take H={H}, "
+                                   f"KVH={KVH}, D={D}")
+        keep = [CArgs(args, lib.ek_attention_node_free, "an attention graph node"), kbuf, vbuf,
+                scratch]
+
+        def node(fn: str, name: str) -> GraphNode:
+            return GraphNode(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value, args,
+                             f"{name} layer {layer_id}", keep)
+
+        return [node("ek_attention_node", "attention"),
+                node("ek_attention_merge_node", "attention merge")]

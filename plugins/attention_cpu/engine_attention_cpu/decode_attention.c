@@ -1,18 +1,32 @@
 /* Paged decode attention on the CPU: one query token per request, K/V read straight from the
  * pool through the request-to-token table (no gather copy), online softmax in blocks of keys.
  *
- * Work item = (request, KV head): its G = H / KVH query heads share every K and V row that is
- * loaded, so each row is read once per step. Items are spread over OpenMP threads.
+ * Work item = (request, a range of its keys, every head): a slot's K (or V) row holds all KV
+ * heads side by side, so an item streams whole rows, and the G = H / KVH query heads of a KV
+ * head share every row loaded. With many requests an item is a whole request; with few (fewer
+ * than 4 per thread) each request's keys are cut into chunks so that every thread has work
+ * (split-KV, "flash decoding"): each chunk leaves its softmax state (max, sum, weighted values)
+ * in scratch and a second phase, after a barrier, merges a request's chunks. Items are dealt
+ * round-robin to the threads.
+ *
  * Pool layout: [slots, KVH, D], element type float32, bfloat16 or float16 (converted to float32
- * on load, then multiplied by the layer's K or V scale). q and out: float32 [T, H, D].
+ * on load, then multiplied by the layer's K or V scale). Two entry points share the kernel:
+ * decode_attention (the eager path: q and out [T, H, D], K/V already stored) and the CPU graph
+ * node ek_attention_node (graph.h: the step's rows, K/V stored by the node first).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <omp.h>
+
+#include "graph.h" /* engine's CPU graph nodes: engine.cpu_graph.include_dir() */
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
-#define BLOCK 64
-#define PREFETCH 4
+#define BLOCK 32        /* keys per online-softmax block */
+#define PREFETCH 16     /* keys ahead whose K and V rows are prefetched (into L2) */
+#define MIN_CHUNK 32    /* fewest keys in a split chunk */
+#define MAX_ITEMS 128   /* split items per call (the scratch holds their states) */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -37,85 +51,235 @@ static inline float f16_to_f32(uint16_t h) {  /* IEEE half -> float, with no com
     return f;
 }
 
-static inline const float *load_row(const void *pool, int dtype, int64_t off, int64_t D,
+/* ---------------------------------------------------------------- CPU graph node */
+
+/* float32 -> bfloat16 / float16 bits, rounded to nearest even as torch rounds (integer
+ * arithmetic only: this file is built with -ffast-math) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* nan */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00; /* nan */
+    if (a >= 0x47800000u) return sign | 0x7c00; /* >= 65536 (and inf): inf */
+    if (a >= 0x38800000u) {                    /* a normal half: rebias, round at bit 13 */
+        uint32_t r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);        /* a carry into the exponent is right */
+        return sign | (uint16_t)(r >> 13);
+    }
+    if (a <= 0x33000000u) return sign;         /* at most 2^-25: zero (the tie goes even) */
+    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t m = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (m & 1u))) m++;
+    return sign | (uint16_t)m;
+}
+
+/* One call: the requests, their K/V, where q and out live. */
+typedef struct {
+    const float *q;         /* row of request b: q_rows ? q_rows[b] : b, of H * D floats */
+    int64_t ldq;
+    const int64_t *q_rows;
+    float *out;             /* the same rows as q */
+    int64_t ldo;
+    const float *k_new, *v_new; /* the new token's K / V rows (ld_new apart), stored first; or
+                                 * NULL: already in the pool */
+    int64_t ld_new;
+    const int64_t *new_slots;
+    int scaled;             /* storing: value / scale, clamped to the dtype's range */
+    const void *k_pool, *v_pool;
+    int dtype;
+    const int32_t *table;   /* req_to_token */
+    int64_t table_stride;
+    const int64_t *req_rows, *seq_lens;
+    int64_t B, H, KVH, D, window;
+    float scale, k_scale, v_scale;
+    float *partial;         /* MAX_ITEMS x (2 H + H D) floats for split chunks, or NULL */
+} prob_t;
+
+static inline int64_t key_start(const prob_t *p, int64_t b) {
+    const int64_t L = p->seq_lens[b];
+    return (p->window > 0 && L > p->window) ? L - p->window : 0;
+}
+
+/* chunk size for this call (0: no split, one item per request) */
+static int64_t chunk_size(const prob_t *p, int nth) {
+    if (!p->partial || p->B >= 4 * nth) return 0;
+    int64_t W = 0;
+    for (int64_t b = 0; b < p->B; b++) W += p->seq_lens[b] - key_start(p, b);
+    const int64_t target = 4 * nth < 64 ? 4 * nth : 64;
+    int64_t C = (W + target - 1) / target;
+    if (C < MIN_CHUNK) C = MIN_CHUNK;
+    int64_t items = 0;
+    for (int64_t b = 0; b < p->B; b++) items += (p->seq_lens[b] - key_start(p, b) + C - 1) / C;
+    return items > MAX_ITEMS ? 0 : C;
+}
+
+static inline const float *load_row(const void *pool, int dtype, int64_t off, int64_t n,
                                     float scale, float *tmp) {
     if (dtype == F32 && scale == 1.0f) return (const float *)pool + off;
     if (dtype == F32) {
         const float *p = (const float *)pool + off;
-        for (int64_t d = 0; d < D; d++) tmp[d] = p[d] * scale;
+        for (int64_t d = 0; d < n; d++) tmp[d] = p[d] * scale;
     } else if (dtype == BF16) {
         const uint16_t *p = (const uint16_t *)pool + off;
-        for (int64_t d = 0; d < D; d++) tmp[d] = bf16_to_f32(p[d]) * scale;
+        for (int64_t d = 0; d < n; d++) tmp[d] = bf16_to_f32(p[d]) * scale;
     } else {
         const uint16_t *p = (const uint16_t *)pool + off;
-        for (int64_t d = 0; d < D; d++) tmp[d] = f16_to_f32(p[d]) * scale;
+        for (int64_t d = 0; d < n; d++) tmp[d] = f16_to_f32(p[d]) * scale;
     }
     return tmp;
 }
 
-/* ask for the KV heads kh0.. of a slot's row ahead of use: slots are scattered in the pool */
-static inline void prefetch(const void *pool, int64_t slot, int64_t row, int64_t kh0, int64_t nkh,
-                            int64_t D, int64_t esize) {
-    const char *p = (const char *)pool + (slot * row + kh0 * D) * esize;
-    for (int64_t c = 0; c < nkh * D * esize; c += 64) __builtin_prefetch(p + c);
+static inline void prefetch_row(const void *pool, int64_t off, int64_t bytes, int esize) {
+    const char *c = (const char *)pool + off * esize;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-static void attend(const float *qh, float *oh, const void *k_pool, const void *v_pool,
-                   int dtype, const int32_t *table, int64_t start, int64_t L, int64_t KVH,
-                   int64_t kh0, int64_t nkh, int64_t G, int64_t D, float scale, float k_scale,
-                   float v_scale) {
-    /* query heads kh0*G .. (kh0+nkh)*G-1 of one request; qh, oh point at head kh0*G */
-    const int64_t NQ = nkh * G;
-    float acc[NQ * D], score[NQ * BLOCK], mx[NQ], sum[NQ], tmp[D];
-    for (int64_t i = 0; i < NQ * D; i++) acc[i] = 0.0f;
-    for (int64_t g = 0; g < NQ; g++) { mx[g] = -1e30f; sum[g] = 0.0f; }
-    const int64_t esize = dtype == F32 ? 4 : 2, row = KVH * D;
-    for (int64_t l0 = start; l0 < L; l0 += BLOCK) {
-        const int64_t n = (L - l0 < BLOCK) ? L - l0 : BLOCK;
+/* keys [j0, j1) of `tab` for every head of one query row: m, l (per head) and acc (H x D)
+ * hold the online-softmax state, initialised here */
+static void attend_keys(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
+                        int64_t j1, float *m, float *l, float *acc) {
+    const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D;
+    const int esize = p->dtype == F32 ? 4 : 2;
+    float s[H * BLOCK], tmp[row];
+    for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t jb = j0; jb < j1; jb += BLOCK) {
+        const int64_t n = j1 - jb < BLOCK ? j1 - jb : BLOCK;
         for (int64_t j = 0; j < n; j++) {
-            if (l0 + j + PREFETCH < L)
-                prefetch(k_pool, table[l0 + j + PREFETCH], row, kh0, nkh, D, esize);
-            for (int64_t h = 0; h < nkh; h++) {
-                const int64_t off = table[l0 + j] * row + (kh0 + h) * D;
-                const float *k = load_row(k_pool, dtype, off, D, k_scale, tmp);
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = qh + (h * G + g) * D;
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                    score[(h * G + g) * BLOCK + j] = dot * scale;
-                }
+            if (jb + j + PREFETCH < j1) {
+                const int64_t ahead = tab[jb + j + PREFETCH] * row;
+                prefetch_row(p->k_pool, ahead, row * esize, esize);
+                prefetch_row(p->v_pool, ahead, row * esize, esize);
+            }
+            const float *k = load_row(p->k_pool, p->dtype, tab[jb + j] * row, row, p->k_scale,
+                                      tmp);
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = q + h * D, *kh = k + (h / G) * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+                s[h * BLOCK + j] = dot * p->scale;
             }
         }
-        for (int64_t g = 0; g < NQ; g++) {
-            float *sg = score + g * BLOCK;
-            float m = mx[g];
-            for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
-            const float corr = expf(mx[g] - m);
-            float s = 0.0f;
-            for (int64_t j = 0; j < n; j++) { sg[j] = expf(sg[j] - m); s += sg[j]; }
-            sum[g] = sum[g] * corr + s;
-            mx[g] = m;
-            float *ag = acc + g * D;
-            for (int64_t d = 0; d < D; d++) ag[d] *= corr;
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = s + h * BLOCK, mx = m[h];
+            for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                sh[j] = expf(sh[j] - mx);
+                sum += sh[j];
+            }
+            if (mx != m[h]) {
+                const float corr = expf(m[h] - mx);
+                float *ah = acc + h * D;
+                for (int64_t d = 0; d < D; d++) ah[d] *= corr;
+                l[h] *= corr;
+                m[h] = mx;
+            }
+            l[h] += sum;
         }
         for (int64_t j = 0; j < n; j++) {
-            if (j + PREFETCH < n)
-                prefetch(v_pool, table[l0 + j + PREFETCH], row, kh0, nkh, D, esize);
-            for (int64_t h = 0; h < nkh; h++) {
-                const int64_t off = table[l0 + j] * row + (kh0 + h) * D;
-                const float *v = load_row(v_pool, dtype, off, D, v_scale, tmp);
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = score[(h * G + g) * BLOCK + j];
-                    float *ag = acc + (h * G + g) * D;
-                    for (int64_t d = 0; d < D; d++) ag[d] += p * v[d];
-                }
+            const float *v = load_row(p->v_pool, p->dtype, tab[jb + j] * row, row, p->v_scale,
+                                      tmp);
+            for (int64_t h = 0; h < H; h++) {
+                const float w = s[h * BLOCK + j], *vh = v + (h / G) * D;
+                float *ah = acc + h * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ah[d] += w * vh[d];
             }
         }
     }
-    for (int64_t g = 0; g < NQ; g++) {
-        const float inv = 1.0f / sum[g];
-        for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv;
+}
+
+static void finish(const float *l, const float *acc, int64_t H, int64_t D, float *o) {
+    for (int64_t h = 0; h < H; h++) {
+        const float inv = 1.0f / l[h];
+        for (int64_t d = 0; d < D; d++) o[h * D + d] = acc[h * D + d] * inv;
     }
+}
+
+__attribute__((optimize("no-fast-math"))) static void store(void *pool, int dtype, int64_t off,
+                                                             const float *x, int64_t n,
+                                                             int scaled, float scale);
+
+/* phase 1 on thread tid of nth: the items; chunk C (0: whole requests) */
+static void attend_items(const prob_t *p, int64_t C, int tid, int nth) {
+    const int64_t H = p->H, D = p->D, row = p->KVH * D, state = 2 * H + H * D;
+    float m[H], l[H], acc[H * D];
+    int64_t item = 0;
+    for (int64_t b = 0; b < p->B; b++) {
+        const int64_t L = p->seq_lens[b], start = key_start(p, b);
+        const int64_t chunks = C ? (L - start + C - 1) / C : 1;
+        const int64_t qrow = p->q_rows ? p->q_rows[b] : b;
+        const int32_t *tab = p->table + p->req_rows[b] * p->table_stride;
+        for (int64_t c = 0; c < chunks; c++, item++) {
+            if (item % nth != tid) continue;
+            const int64_t j0 = start + c * (C ? C : 0), j1 = C && j0 + C < L ? j0 + C : L;
+            if (p->k_new && j1 == L) { /* the chunk that reads the new token stores it */
+                const int64_t off = p->new_slots[b] * row;
+                store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row,
+                      p->scaled, p->k_scale);
+                store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row,
+                      p->scaled, p->v_scale);
+            }
+            if (chunks == 1) {
+                attend_keys(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
+                finish(l, acc, H, D, p->out + qrow * p->ldo);
+            } else {
+                float *st = p->partial + item * state;
+                attend_keys(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
+            }
+        }
+    }
+}
+
+/* phase 2 (after a barrier): each split request's chunks merged into its output */
+static void merge_items(const prob_t *p, int64_t C, int tid, int nth) {
+    if (!C) return;
+    const int64_t H = p->H, D = p->D, state = 2 * H + H * D;
+    int64_t item = 0;
+    for (int64_t b = 0; b < p->B; b++) {
+        const int64_t L = p->seq_lens[b], chunks = (L - key_start(p, b) + C - 1) / C;
+        if (chunks > 1 && b % nth == tid) {
+            float *o = p->out + (p->q_rows ? p->q_rows[b] : b) * p->ldo;
+            for (int64_t h = 0; h < H; h++) {
+                float mx = -INFINITY, lsum = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float mc = p->partial[(item + c) * state + h];
+                    mx = mc > mx ? mc : mx;
+                }
+                float *oh = o + h * D;
+                for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *st = p->partial + (item + c) * state;
+                    const float w = expf(st[h] - mx);
+                    lsum += w * st[H + h];
+                    const float *ah = st + 2 * H + h * D;
+                    for (int64_t d = 0; d < D; d++) oh[d] += w * ah[d];
+                }
+                const float inv = 1.0f / lsum;
+                for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+            }
+        }
+        item += chunks;
+    }
+}
+
+static int bad_shape(int64_t H, int64_t KVH, int64_t D) {
+    return KVH <= 0 || H % KVH != 0 || H * D > 65536 || D > 1024;  /* bounds the stack arrays */
+}
+
+static size_t partial_bytes(int64_t H, int64_t D) {
+    return (size_t)MAX_ITEMS * (size_t)(2 * H + H * D) * sizeof(float);
 }
 
 int decode_attention(const float *q, float *out, const int64_t *q_tokens,
@@ -124,19 +288,100 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
                      const int64_t *rows, const int64_t *seq_lens,
                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t window,
                      float scale, float k_scale, float v_scale, int nthreads) {
-    if (H % KVH != 0 || H * D > 65536 || D > 1024) return 1;  /* bounds the stack arrays */
-    const int64_t G = H / KVH;
-    /* few requests: split each one's KV heads across threads so that every thread has work */
-    const int64_t split = B >= 4 * nthreads ? 1 : KVH;
-    const int64_t nkh = KVH / split;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * split; item++) {
-        const int64_t b = item / split, kh0 = (item % split) * nkh;
-        const int64_t L = seq_lens[b];
-        const int64_t start = (window > 0 && L > window) ? L - window : 0;
-        const int64_t off = (q_tokens[b] * H + kh0 * G) * D;
-        attend(q + off, out + off, k_pool, v_pool, dtype, req_to_token + rows[b] * table_stride,
-               start, L, KVH, kh0, nkh, G, D, scale, k_scale, v_scale);
+    if (bad_shape(H, KVH, D)) return 1;
+    if (nthreads < 1) nthreads = 1;
+    /* the split chunks' scratch, kept per calling thread (no allocation per call) */
+    static __thread float *partial_cache = NULL;
+    static __thread size_t partial_cap = 0;
+    float *partial = NULL;
+    if (B < 4 * nthreads) {
+        const size_t bytes = partial_bytes(H, D);
+        if (bytes > partial_cap) {
+            free(partial_cache);
+            partial_cache = malloc(bytes);
+            partial_cap = partial_cache ? bytes : 0;
+        }
+        partial = partial_cache;
+    }
+    const prob_t p = {q, H * D, q_tokens, out, H * D, NULL, NULL, 0, NULL, 0, k_pool, v_pool,
+                      dtype, req_to_token, table_stride, rows, seq_lens, B, H, KVH, D, window,
+                      scale, k_scale, v_scale, partial};
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int64_t C = chunk_size(&p, nth);
+        attend_items(&p, C, tid, nth);
+#pragma omp barrier
+        merge_items(&p, C, tid, nth);
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- CPU graph node */
+
+typedef struct {
+    prob_t p;   /* B, the rows and the step's tables filled per step */
+    int64_t ldk, ldv;
+} attn_node_args;
+
+/* n values into the pool at element offset off, as KVDtype.store does: a cast, or with
+ * `scaled` value / scale clamped to the storage dtype's finite range first (a true division,
+ * as torch divides: not the reciprocal -ffast-math would multiply by) */
+__attribute__((optimize("no-fast-math"))) static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n, int scaled,
+                  float scale) {
+    const float fmax = dtype == F32 ? 3.40282347e38f : dtype == BF16 ? 3.38953139e38f : 65504.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        if (scaled) {
+            v = v / scale;
+            v = v > fmax ? fmax : (v < -fmax ? -fmax : v);
+        }
+        if (dtype == F32) ((float *)pool)[off + i] = v;
+        else if (dtype == BF16) ((uint16_t *)pool)[off + i] = f32_to_bf16(v);
+        else ((uint16_t *)pool)[off + i] = f32_to_f16(v);
+    }
+}
+
+/* q [rows, ldq], k and v [rows, ld_new] (the new tokens' K/V, heads side by side), out
+ * [rows, ldo]; `partial`: scratch of ek_attention_partial_bytes (may be shared by the nodes of
+ * one graph: they run one after another). NULL when a shape is out of bounds. */
+void *ek_attention_node_args(const float *q, int64_t ldq, const float *k, const float *v,
+                             int64_t ld_new, float *out, int64_t ldo, void *k_pool,
+                             void *v_pool, int dtype, int scaled, int64_t H, int64_t KVH,
+                             int64_t D, int64_t window, float scale, float k_scale,
+                             float v_scale, float *partial) {
+    if (bad_shape(H, KVH, D) || dtype < F32 || dtype > F16) return NULL;
+    attn_node_args *a = calloc(1, sizeof(attn_node_args));
+    if (!a) return NULL;
+    a->p = (prob_t){q, ldq, NULL, out, ldo, k, v, ld_new, NULL, scaled, k_pool, v_pool, dtype,
+                    NULL, 0, NULL, NULL, 0, H, KVH, D, window, scale, k_scale, v_scale,
+                    partial};
+    return a;
+}
+
+size_t ek_attention_partial_bytes(int64_t H, int64_t D) { return partial_bytes(H, D); }
+
+void ek_attention_node_free(void *a) { free(a); }
+
+static prob_t step_problem(const attn_node_args *a, const ek_step_t *s) {
+    prob_t p = a->p;
+    p.B = s->rows;
+    p.new_slots = s->out_cache_loc;
+    p.table = s->req_to_token;
+    p.table_stride = s->req_to_token_stride;
+    p.req_rows = s->req_rows;
+    p.seq_lens = s->seq_lens;
+    return p;
+}
+
+/* the new K/V stored and every item attended (phase 1) ... */
+void ek_attention_node(const void *a_, const ek_step_t *s, int tid, int nth) {
+    const prob_t p = step_problem(a_, s);
+    attend_items(&p, chunk_size(&p, nth), tid, nth);
+}
+
+/* ... then (the next node, after the barrier) the split requests merged */
+void ek_attention_merge_node(const void *a_, const ek_step_t *s, int tid, int nth) {
+    const prob_t p = step_problem(a_, s);
+    merge_items(&p, chunk_size(&p, nth), tid, nth);
 }

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch  # loaded first, so the kernel's OpenMP dependency resolves to torch's own runtime
 
+from engine.cpu_graph import header_key, include_dir
 from engine.native import BuildError as KernelUnavailable  # noqa: F401 - this plugin's name
 from engine.native import build_library, cpu_flags
 
@@ -25,12 +26,20 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def load() -> ctypes.CDLL:
     """The loaded kernel library; raises KernelUnavailable with the reason."""
     # -march=native: keyed by the CPU's flags too
-    target = build_library(SOURCE, FLAGS, "its kernel", key_extra=cpu_flags())
+    # graph.h (the CPU graph's node ABI) from the core
+    target = build_library(SOURCE, [*FLAGS, "-I", include_dir()], "its kernel",
+                           key_extra=cpu_flags() + header_key())
     lib = ctypes.CDLL(str(target))
     P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.decode_attention.argtypes = [P, P, P, P, P, INT, P, I64, P, P, I64, I64, I64, I64, I64,
                                      F, F, F, INT]
     lib.decode_attention.restype = INT
+    lib.ek_attention_node_args.argtypes = [P, I64, P, P, I64, P, I64, P, P, INT, INT, I64, I64,
+                                           I64, I64, F, F, F, P]
+    lib.ek_attention_node_args.restype = P
+    lib.ek_attention_node_free.argtypes, lib.ek_attention_node_free.restype = [P], None
+    lib.ek_attention_partial_bytes.argtypes = [I64, I64]
+    lib.ek_attention_partial_bytes.restype = ctypes.c_size_t
     return lib
 
 

@@ -5,7 +5,7 @@ built on first use with the system compiler."""
 
 from engine import hookimpl
 
-ENGINE_HOOKS_VERSION = "1.2"  # register_linear_kernels
+ENGINE_HOOKS_VERSION = "1.3"  # register_linear_kernels; 1.3: CPU graph nodes
 
 
 def _checker(kernel):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch  # loaded first, so the library's OpenMP dependency resolves to torch's own runtime
 
+from engine.cpu_graph import header_key, include_dir
 from engine.native import BuildError as KernelUnavailable  # noqa: F401 - this plugin's name
 from engine.native import build_library
 
@@ -43,7 +44,9 @@ def load() -> ctypes.CDLL:
     """The loaded library; raises KernelUnavailable with the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"its kernels are x86-64 code, and this is {platform.machine()}")
-    target = build_library(SOURCE, FLAGS, "its kernels")  # no -march: any x86-64 runs it
+    # no -march: any x86-64 runs it; graph.h (the CPU graph's node ABI) from the core
+    target = build_library(SOURCE, [*FLAGS, "-I", include_dir()], "its kernels",
+                           key_extra=header_key())
     lib = ctypes.CDLL(str(target))
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ek_features.argtypes, lib.ek_features.restype = [], INT
@@ -55,6 +58,11 @@ def load() -> ctypes.CDLL:
     lib.ek_linear.argtypes = [INT, INT, P, INT, I64, I64, I64, P, I64, P, P, INT, I64, INT]
     lib.ek_linear.restype = INT
     lib.ek_peak.argtypes, lib.ek_peak.restype = [INT, I64, INT], ctypes.c_double
+    lib.ek_linear_node_new.argtypes = [INT, INT, P, I64, P, I64, I64, P, P, I64, I64,
+                                       ctypes.POINTER(INT)]
+    lib.ek_linear_node_new.restype = P
+    lib.ek_linear_node_free.argtypes, lib.ek_linear_node_free.restype = [P], None
+    lib.ek_linear_node_has_prep.argtypes, lib.ek_linear_node_has_prep.restype = [P], INT
     return lib
 
 

@@ -53,6 +53,8 @@
 #include <omp.h>
 #endif
 
+#include "graph.h" /* engine's CPU graph nodes: engine.cpu_graph.include_dir() */
+
 #define NR 32          /* output rows per tile */
 #define QK 32          /* weights per quantization block */
 #define Q8_TILE_BLOCK (8 * NR * 4 + NR * 2) /* 1088 bytes: one block of K for one tile */
@@ -343,6 +345,18 @@ static const float *act_f32(const void *x, int xdt, int64_t M, int64_t K, int64_
     return buf;
 }
 
+/* each row's sum per block of 32 of float32 rows [m0, m1) of x (row stride ld): s[m * nb + b] */
+static void block_sums(const float *xf, int64_t ld, int64_t m0, int64_t m1, int64_t K,
+                       float *s) {
+    const int64_t nb = K / QK;
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float acc = 0.0f;
+            for (int i = 0; i < QK; i++) acc += xf[m * ld + b * QK + i];
+            s[m * nb + b] = acc;
+        }
+}
+
 /* Weight-only block formats: float32 rows of x (bfloat16 widened, into per-thread scratch) and,
  * with `sums`, each row's sum per block of 32 ([M, K / 32] floats: the Q4_1 m term). */
 static const float *act_wo(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int sums,
@@ -361,16 +375,23 @@ static const float *act_wo(const void *x, int xdt, int64_t M, int64_t K, int64_t
     *xs = NULL;
     if (sums) {
         float *s = buf + xbytes / 4;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
-                float acc = 0.0f;
-                for (int i = 0; i < QK; i++) acc += xf[m * ld + b * QK + i];
-                s[m * nb + b] = acc;
-            }
+        block_sums(xf, ld, 0, M, K, s);
         *xs = s;
     }
     *ld_out = ld;
     return xf;
+}
+
+/* rows [m0, m1) of x as bfloat16 pairs: out[m * kp + k], kp = K rounded up to even */
+static void bf16_rows(const void *x, int xdt, int64_t m0, int64_t m1, int64_t K, int64_t ldx,
+                      uint16_t *out) {
+    int64_t kp = (K + 1) / 2 * 2;
+    for (int64_t m = m0; m < m1; m++) {
+        for (int64_t k = 0; k < K; k++)
+            out[m * kp + k] = xdt == DT_BF16 ? ((const uint16_t *)x)[m * ldx + k]
+                                             : f32_to_bf16(((const float *)x)[m * ldx + k]);
+        if (kp > K) out[m * kp + K] = 0;
+    }
 }
 
 /* bfloat16 rows of x with even K (pairs for vdpbf16ps). */
@@ -383,12 +404,7 @@ static const uint16_t *act_bf16(const void *x, int xdt, int64_t M, int64_t K, in
     }
     uint16_t *buf = scratch(&tl_act, (size_t)(M * kp) * 2);
     if (!buf) return NULL;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t k = 0; k < K; k++)
-            buf[m * kp + k] = xdt == DT_BF16 ? ((const uint16_t *)x)[m * ldx + k]
-                                             : f32_to_bf16(((const float *)x)[m * ldx + k]);
-        if (kp > K) buf[m * kp + K] = 0;
-    }
+    bf16_rows(x, xdt, 0, M, K, ldx, buf);
     *ld_out = kp;
     return buf;
 }
@@ -442,25 +458,33 @@ T_AVX2 static void quantize_block_avx2(const void *x, int xdt, int64_t k0, int o
     _mm256_storeu_si256((__m256i *)out, b);
 }
 
-static uint8_t *act_q8(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int offset,
-                       int isa, float **scales, int32_t **sums) {
+/* the layout of quantized activations for `cap` rows: [cap, K] bytes (padded to 64), then
+ * [cap, K / 32] float scales, then [cap, K / 32] int32 sums */
+static size_t q8_bytes(int64_t cap, int64_t K) {
+    return (size_t)((cap * K + 63) / 64 * 64) + (size_t)(cap * (K / QK)) * 8;
+}
+
+static void q8_parts(uint8_t *buf, int64_t cap, int64_t K, float **d, int32_t **sum) {
+    *d = (float *)(buf + (cap * K + 63) / 64 * 64);
+    *sum = (int32_t *)(*d + cap * (K / QK));
+}
+
+/* rows [m0, m1) of x quantized into `buf`, laid out for `cap` rows (q8_bytes) */
+static void quantize_rows(const void *x, int xdt, int64_t m0, int64_t m1, int64_t K,
+                          int64_t ldx, int offset, int isa, uint8_t *buf, int64_t cap) {
     int64_t nb = K / QK;
-    size_t qbytes = (size_t)((M * K + 63) / 64 * 64);
-    uint8_t *buf = scratch(&tl_act, qbytes + (size_t)(M * nb) * 8);
-    if (!buf) return NULL;
-    float *d = (float *)(buf + qbytes);
-    int32_t *sum = (int32_t *)(d + M * nb);
+    float *d;
+    int32_t *sum;
+    q8_parts(buf, cap, K, &d, &sum);
     if (isa != ISA_SCALAR) {
         int64_t es = xdt == DT_F32 ? 4 : 2;
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = m0; m < m1; m++)
             for (int64_t b = 0; b < nb; b++)
                 quantize_block_avx2((const char *)x + m * ldx * es, xdt, b * QK, offset,
                                     buf + m * K + b * QK, d + m * nb + b, sum + m * nb + b);
-        *scales = d;
-        if (sums) *sums = sum;
-        return buf;
+        return;
     }
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = m0; m < m1; m++)
         for (int64_t b = 0; b < nb; b++) {
             float v[QK], amax = 0.0f;
             for (int i = 0; i < QK; i++) {
@@ -479,8 +503,14 @@ static uint8_t *act_q8(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx
             }
             sum[m * nb + b] = s;
         }
-    *scales = d;
-    if (sums) *sums = sum;
+}
+
+static uint8_t *act_q8(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int offset,
+                       int isa, float **scales, int32_t **sums) {
+    uint8_t *buf = scratch(&tl_act, q8_bytes(M, K));
+    if (!buf) return NULL;
+    quantize_rows(x, xdt, 0, M, K, ldx, offset, isa, buf, M);
+    q8_parts(buf, M, K, scales, sums);
     return buf;
 }
 
@@ -1573,15 +1603,41 @@ static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t row
     return EK_OK;
 }
 
+/* tiles [t0, t1) of every row of the job: the micro-kernels into c, then the epilogue */
+static int run_tiles(const job_t *j, int64_t t0, int64_t t1) {
+    float c[M_CHUNK * NR] __attribute__((aligned(64)));
+    int status = EK_OK;
+    const int64_t es = j->ydt == DT_F32 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < j->M; m0 += M_CHUNK) {
+        int64_t rows = j->M - m0 < M_CHUNK ? j->M - m0 : M_CHUNK;
+        for (int64_t t = t0; t < t1; t++) {
+            int s = run_tile(j, t, t + 1 == t1, m0, rows, c);
+            if (s != EK_OK) {
+                status = s;
+                continue;
+            }
+            epilogue(c, rows, t * NR, j->N, j->bias, (char *)j->y + m0 * j->ldy * es, j->ydt,
+                     j->ldy);
+        }
+    }
+    return status;
+}
+
+static int check_args(int fmt, int isa, int64_t K) {
+    if (fmt < FMT_F16 || fmt > FMT_Q4_1_F32) return EK_BAD_FORMAT;
+    if (!isa_ok(fmt, isa)) return EK_BAD_ISA;
+    if ((fmt == FMT_Q8_0 || is_q4(fmt) || is_wo(fmt)) && K % QK) return EK_BAD_K;
+    if (fmt == FMT_BF16_PAIRS && isa != ISA_AVX512 && isa != ISA_SCALAR) return EK_BAD_ISA;
+    return EK_OK;
+}
+
 /* y[M, N] (row stride ldy, float32 or bfloat16) = x[M, K] (row stride ldx) . W^T + bias.
  * Returns EK_OK or a negative EK_* code. */
 int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, int64_t ldx,
               const void *w, int64_t N, const float *bias, void *y, int ydt, int64_t ldy,
               int nthreads) {
-    if (fmt < FMT_F16 || fmt > FMT_Q4_1_F32) return EK_BAD_FORMAT;
-    if (!isa_ok(fmt, isa)) return EK_BAD_ISA;
-    if ((fmt == FMT_Q8_0 || is_q4(fmt) || is_wo(fmt)) && K % QK) return EK_BAD_K;
-    if (fmt == FMT_BF16_PAIRS && isa != ISA_AVX512 && isa != ISA_SCALAR) return EK_BAD_ISA;
+    int bad = check_args(fmt, isa, K);
+    if (bad != EK_OK) return bad;
     if (M <= 0 || N <= 0) return EK_OK;
     job_t j = {fmt, isa, NULL, 0, NULL, NULL, w, M, N, K, bias, y, ydt, ldy};
     if (is_wo(fmt)) {
@@ -1611,23 +1667,114 @@ int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, in
         tid = omp_get_thread_num();
         n = omp_get_num_threads();
 #endif
-        int64_t t0 = nt * tid / n, t1 = nt * (tid + 1) / n;
-        float c[M_CHUNK * NR] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-            int64_t rows = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
-            for (int64_t t = t0; t < t1; t++) {
-                int s = run_tile(&j, t, t + 1 == t1, m0, rows, c);
-                if (s != EK_OK) {
+        int s = run_tiles(&j, nt * tid / n, nt * (tid + 1) / n);
+        if (s != EK_OK) {
 #pragma omp atomic write
-                    status = s;
-                    continue;
-                }
-                epilogue(c, rows, t * NR, N, bias, (char *)y + m0 * ldy * (ydt == DT_F32 ? 4 : 2),
-                         ydt, ldy);
-            }
+            status = s;
         }
     }
     return status;
+}
+
+/* ---------------------------------------------------------------- CPU graph nodes */
+
+/* A linear layer as nodes of an engine CPU graph (graph.h): y[rows] = x[rows] . W^T + bias,
+ * x and y float32 buffers of at least `cap` rows, the rows of the step. Formats whose kernels
+ * read prepared activations (int8 blocks, bfloat16 pairs, the Q4_1 weight-only block sums)
+ * run two nodes: ek_linear_node_prep writes them into the node's own buffer (rows split over
+ * the threads), ek_linear_node_gemm splits the output tiles over the threads. */
+typedef struct {
+    job_t j;        /* M set per step */
+    const float *x; /* the input buffer as given */
+    int64_t ldx_in, cap;
+    int prep;       /* PREP_* */
+    void *buf;      /* prepared activations for cap rows */
+} lnode_t;
+
+enum { PREP_NONE, PREP_SUMS, PREP_Q8, PREP_BF16 };
+
+void ek_linear_node_free(void *p) {
+    lnode_t *n = p;
+    if (!n) return;
+    free(n->buf);
+    free(n);
+}
+
+/* the node's arguments (NULL: out of memory; *status says why not otherwise) */
+void *ek_linear_node_new(int fmt, int isa, const float *x, int64_t ldx, const void *w,
+                         int64_t N, int64_t K, const float *bias, float *y, int64_t ldy,
+                         int64_t cap, int *status) {
+    *status = check_args(fmt, isa, K);
+    if (*status != EK_OK) return NULL;
+    *status = EK_NO_MEMORY;
+    lnode_t *n = calloc(1, sizeof(lnode_t));
+    if (!n) return NULL;
+    n->j = (job_t){fmt, isa, x, ldx, NULL, NULL, w, 0, N, K, bias, y, DT_F32, ldy};
+    n->x = x;
+    n->ldx_in = ldx;
+    n->cap = cap;
+    size_t bytes = 0;
+    const int64_t nb = K / QK;
+    if (is_wo(fmt)) {
+        if (fmt == FMT_Q4_1_F32 && isa != ISA_SCALAR) {
+            n->prep = PREP_SUMS;
+            bytes = (size_t)(cap * nb) * 4;
+        }
+    } else if (fmt == FMT_Q8_0 || is_q4(fmt)) {
+        n->prep = PREP_Q8;
+        bytes = q8_bytes(cap, K);
+    } else if (fmt == FMT_BF16_PAIRS) {
+        n->prep = PREP_BF16;
+        bytes = (size_t)(cap * ((K + 1) / 2 * 2)) * 2;
+    }
+    if (bytes) {
+        n->buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!n->buf) {
+            free(n);
+            return NULL;
+        }
+    }
+    if (n->prep == PREP_SUMS) {
+        n->j.dx = n->buf;
+    } else if (n->prep == PREP_Q8) {
+        float *d;
+        int32_t *sum;
+        q8_parts(n->buf, cap, K, &d, &sum);
+        n->j.xa = n->buf;
+        n->j.ldx = K;
+        n->j.dx = d;
+        n->j.sx = sum;
+    } else if (n->prep == PREP_BF16) {
+        n->j.xa = n->buf;
+        n->j.ldx = (K + 1) / 2 * 2;
+    }
+    *status = EK_OK;
+    return n;
+}
+
+int ek_linear_node_has_prep(const void *p) { return ((const lnode_t *)p)->prep != PREP_NONE; }
+
+void ek_linear_node_prep(const void *p, const ek_step_t *s, int tid, int nth) {
+    const lnode_t *n = p;
+    int64_t m0, m1;
+    ek_split(s->rows, tid, nth, &m0, &m1);
+    const int fmt = n->j.fmt, isa = n->j.isa;
+    const int64_t K = n->j.K;
+    if (n->prep == PREP_SUMS)
+        block_sums(n->x, n->ldx_in, m0, m1, K, n->buf);
+    else if (n->prep == PREP_Q8)
+        quantize_rows(n->x, DT_F32, m0, m1, K, n->ldx_in, fmt == FMT_Q8_0 && isa == ISA_AVX512,
+                      isa, n->buf, n->cap);
+    else if (n->prep == PREP_BF16)
+        bf16_rows(n->x, DT_F32, m0, m1, K, n->ldx_in, n->buf);
+}
+
+void ek_linear_node_gemm(const void *p, const ek_step_t *s, int tid, int nth) {
+    const lnode_t *n = p;
+    job_t j = n->j;
+    j.M = s->rows;
+    const int64_t nt = (j.N + NR - 1) / NR;
+    run_tiles(&j, nt * tid / nth, nt * (tid + 1) / nth);
 }
 
 /* ---------------------------------------------------------------- peak throughput */

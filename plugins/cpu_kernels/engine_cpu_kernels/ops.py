@@ -168,6 +168,45 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
     return y if flat and out is None else y.view(*shape[:-1], n)
 
 
+def graph_nodes(packed: Packed, bias, x: torch.Tensor, y: torch.Tensor, max_rows: int,
+                isa: int = ISA_AVX512, weight_only: bool = False) -> list:
+    """CPU-graph nodes computing ``y[:rows] = x[:rows] @ unpack(packed).T + bias`` for the
+    rows of a step (see :meth:`CPUGemm.graph_nodes`)."""
+    from engine.cpu_graph import CArgs, GraphNode, GraphUnsupported
+
+    lib = K_.load()
+    fmt = WEIGHT_ONLY.get(packed.fmt) if weight_only else packed.fmt
+    for t, what in ((x, "x"), (y, "y")):
+        if t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 or \
+                t.shape[0] < max_rows:
+            raise GraphUnsupported(f"the CPU kernels' graph nodes take float32 [rows, cols] "
+                                   f"buffers, got {what} {t.dtype} {tuple(t.shape)}")
+    if x.shape[1] != packed.k or y.shape[1] != packed.n:
+        raise GraphUnsupported(f"a {packed.n} x {packed.k} weight between buffers of "
+                               f"{x.shape[1]} and {y.shape[1]} columns")
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    status = ctypes.c_int(0)
+    args = lib.ek_linear_node_new(fmt, isa, x.data_ptr(), x.stride(0), packed.ptr, packed.n,
+                                  packed.k, 0 if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), y.stride(0), max_rows, ctypes.byref(status))
+    if status.value:
+        check_status(status.value, f"a {FORMAT_NAMES[packed.fmt]} graph node on "
+                                   f"{ISA_LABEL.get(isa, isa)}")
+    owner = CArgs(args, lib.ek_linear_node_free, "a linear graph node")
+    keep = [owner, packed, bias]
+    name = f"linear {FORMAT_NAMES[packed.fmt]} {packed.n}x{packed.k}"
+    nodes = []
+    if lib.ek_linear_node_has_prep(args):
+        nodes.append(GraphNode(_address("ek_linear_node_prep"), args, name + " (prep)", keep))
+    nodes.append(GraphNode(_address("ek_linear_node_gemm"), args, name, keep))
+    return nodes
+
+
+def _address(fn: str) -> int:
+    return ctypes.cast(getattr(K_.load(), fn), ctypes.c_void_p).value
+
+
 def _linear(*args):
     global _linear
     _linear = K_.load().ek_linear  # bound once: the call is on every linear's path
@@ -224,6 +263,13 @@ class CPUGemm(LinearKernel):
 
     def packed_bytes(self, packed: Packed) -> int:
         return packed.nbytes
+
+    def graph_nodes(self, packed: Packed, bias, x: torch.Tensor, y: torch.Tensor,
+                    max_rows: int) -> list:
+        """The CPU-graph nodes of this linear (engine.cpu_graph): ``y[:rows] = x[:rows] @
+        W.T + bias``, float32 buffers; a preparing node first where the kernel reads
+        prepared activations (int8 blocks, bfloat16 pairs, Q4_1 block sums)."""
+        return graph_nodes(packed, bias, x, y, max_rows, self.isa, self.weight_only)
 
 
 A2 = FEAT_AVX2

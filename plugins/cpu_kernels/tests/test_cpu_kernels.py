@@ -12,6 +12,7 @@ from engine.registry import BackendUnavailable, EngineError, resolve_linear_kern
 from engine.runner import ModelRunner
 from engine_testing.generation import greedy_generate
 from engine_testing.logits import compare_prompt_logits
+from engine_testing.weights import hf_on_half_weights
 from engine_cpu_kernels import kernel as K
 from engine_cpu_kernels import ops
 
@@ -154,20 +155,6 @@ def runner(path, registries, device, dtype, compile_max_tokens=None):
                     compile_max_tokens=compile_max_tokens)
     r.init_kv_pool(2048)
     return r
-
-
-def hf_on_half_weights(path):
-    """HF in float32 with every linear weight rounded to float16 (what --dtype float16 holds)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(module.weight.detach().half().float(),
-                                               requires_grad=False)
-    return model
 
 
 def prompts(path):

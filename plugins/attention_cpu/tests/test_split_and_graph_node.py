@@ -1,0 +1,119 @@
+"""The decode kernel's split-KV path (a request's keys cut into chunks over threads, merged
+after) against a plain softmax, at every thread count; and the CPU-graph node's stores, bit for
+bit what KVDtype.store keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu_graph.builder import GraphBuilder
+from engine.cpu_graph.native import load as load_graph
+from engine.interfaces import AttentionLayerSpec, BackendContext
+from engine.memory.kv_dtype import KVDtype
+from engine.memory.kv_pool import KVPool
+from engine_attention_cpu import kernel
+from engine_attention_cpu.backend import CPUBackend
+
+
+def reference(q, k, v, scale):
+    """q [H, D], k and v [L, KVH, D] -> [H, D]."""
+    G = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, -1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 16), (8, 1, 48)])
+def test_split_requests_match_a_plain_softmax(threads, shape):
+    """1-3 requests of 1 to 700 keys (chunks of 32 keys and more, a last chunk of one), a
+    sliding window, every thread count: the merged chunks equal one softmax."""
+    H, KVH, D = shape
+    gen = torch.Generator().manual_seed(threads)
+    lens = [700, 33, 1]
+    slots = 1 + torch.randperm(sum(lens), generator=gen).to(torch.int32)
+    k_pool = torch.randn(sum(lens) + 1, KVH, D, generator=gen)
+    v_pool = torch.randn(sum(lens) + 1, KVH, D, generator=gen)
+    table = torch.zeros(len(lens), 800, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(lens):
+        table[r, :n] = slots[start: start + n]
+        start += n
+    for window in (0, 100):
+        for b in (1, 2, 3):
+            q = torch.randn(b, H, D, generator=gen)
+            out = torch.empty_like(q)
+            rows, seq_lens = torch.arange(b), torch.tensor(lens[:b])
+            status = kernel.load().decode_attention(
+                q.data_ptr(), out.data_ptr(), rows.data_ptr(), k_pool.data_ptr(),
+                v_pool.data_ptr(), 0, table.data_ptr(), table.stride(0), rows.data_ptr(),
+                seq_lens.data_ptr(), b, H, KVH, D, window, 0.125, 1.0, 1.0,
+                threads)
+            assert status == 0
+            for r in range(b):
+                keys = table[r, :lens[r]].long()
+                if window and lens[r] > window:
+                    keys = keys[-window:]
+                ref = reference(q[r], k_pool[keys], v_pool[keys], 0.125)
+                assert torch.allclose(out[r], ref, atol=2e-5, rtol=1e-4), (b, r, window)
+
+
+# edge values: overflow past float16 (inf unscaled, clamped when scaled), float16 subnormals,
+# ties of bfloat16 / float16 rounding, a NaN-free spread
+EDGES = torch.tensor([70000.0, -1e6, 6e-8, 3e-5, 1.00390625, 1.0 + 2 ** -11, 65519.0, 0.0,
+                      -0.0, 1e-40, 3.0e38, -2.5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_graph_node_stores_as_the_kv_dtype_does(dtype, scaled):
+    """One graph step of the node alone: the new token's K and V at its slot hold exactly
+    KVDtype.store's values (rounded to nearest even, scaled and clamped), and its output is
+    the kernel's."""
+    H, KVH, D = 4, 2, 16
+    kv = KVDtype(dtype, needs_scale=scaled)
+    pool = KVPool(1, KVH, D, 64, dtype, max_reqs=2, max_context_len=32, kv_dtype=kv)
+    if scaled:
+        pool.k_scale[0], pool.v_scale[0] = 0.5, 3.0
+    backend = CPUBackend(BackendContext(pool, [AttentionLayerSpec(H, KVH, D, 0.25)], "cpu",
+                                        torch.float32))
+    g = GraphBuilder(2, backend)
+    qkv, out = g.buffer((H + 2 * KVH) * D), g.buffer(H * D)
+    g.attention(0, qkv[:, : H * D], qkv[:, H * D: (H + KVH) * D], qkv[:, (H + KVH) * D:], out)
+    gen = torch.Generator().manual_seed(1)
+    k_new = torch.randn(KVH * D, generator=gen) * 3
+    k_new[: len(EDGES)] = EDGES
+    v_new = torch.randn(KVH * D, generator=gen)
+    v_new[-len(EDGES):] = EDGES.flip(0)
+    qkv[0, H * D: (H + KVH) * D] = k_new
+    qkv[0, (H + KVH) * D:] = v_new
+    qkv[0, : H * D] = torch.randn(H * D, generator=gen)
+    row = pool.alloc_req()
+    slots = pool.extend_slots(row, 0, 3)  # two keys before, the new one at position 2
+    for name in ("k_buffer", "v_buffer"):
+        getattr(pool, name)[0][slots[:2].long()] = torch.randn(2, KVH, D, generator=gen).to(dtype)
+    lib = load_graph()
+    graph = lib.ek_graph_new()
+    for node in g.nodes:
+        lib.ek_graph_add(graph, node.fn, node.args)
+
+    def i64(*x):
+        return torch.tensor(x, dtype=torch.int64)
+
+    ids, pos, loc, rows, lens = i64(5), i64(2), slots[2:].long(), i64(row), i64(3)
+    lib.ek_graph_run(graph, 2, 1, ids.data_ptr(), pos.data_ptr(), loc.data_ptr(),
+                     rows.data_ptr(), lens.data_ptr(), pool.req_to_token.data_ptr(),
+                     pool.req_to_token.stride(0))
+    lib.ek_graph_free(graph)
+    slot = int(slots[2])
+    for buf, new, scale in ((pool.k_buffer[0], k_new, pool.k_scale[0]),
+                            (pool.v_buffer[0], v_new, pool.v_scale[0])):
+        want = kv.store(new.view(KVH, D), scale, dtype)
+        assert torch.equal(buf[slot].view(torch.uint8), want.view(torch.uint8))
+    # the output: the kernel's on the stored pool
+    ref = torch.empty(1, H, D)
+    kernel.decode_attention(qkv[:1, : H * D].reshape(1, H, D).contiguous(), ref, i64(0),
+                            pool.k_buffer[0], pool.v_buffer[0], pool.req_to_token, i64(row),
+                            lens, None, 0.25, pool.k_scale[0], pool.v_scale[0])
+    assert torch.allclose(out[0].view(H, D), ref[0], atol=1e-6, rtol=1e-5, equal_nan=True)
