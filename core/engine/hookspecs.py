@@ -15,7 +15,8 @@ hookimpl = pluggy.HookimplMarker("engine")
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
 ENGINE_HOOKS_VERSION = "1.3"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
-# 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h)
+# 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h),
+# register_linear_kernels(activations=), QuantMethod.gguf_blocks / block_activations
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.
@@ -87,10 +88,13 @@ def register_grammar_backends(register):
 @hookspec
 def register_linear_kernels(register):
     """Register GEMM kernels for the model's linear layers: ``register(name, kernel, *,
-    weight_dtype, check=None, priority=0, description="")``. ``kernel`` is an
-    :class:`engine.interfaces.LinearKernel` (pack a weight once at load, then ``linear(x,
+    weight_dtype, check=None, priority=0, description="", activations="float32")``. ``kernel``
+    is an :class:`engine.interfaces.LinearKernel` (pack a weight once at load, then ``linear(x,
     packed, bias)``); ``weight_dtype`` names the weights it keeps ("bfloat16", "float16", or a
-    block format such as "q8_0"); ``check(device) -> str | None`` says why it cannot run here
+    block format such as "q8_0"); ``activations`` (contract 1.3) what it multiplies them with:
+    "float32" (the activations as they come, float arithmetic) or "int8" (quantized on the fly,
+    e.g. per block of 32 as llama.cpp does), which a quantization method's
+    ``block_activations`` asks for; ``check(device) -> str | None`` says why it cannot run here
     (an instruction set this CPU lacks, no compiler): kernels are chosen at run time, per
     machine. ``prepack_linears`` gives the layers, for the weight dtype the model runs with,
     the usable kernel with the highest ``priority`` (``ENGINE_LINEAR_KERNEL=NAME`` forces one,

@@ -127,6 +127,18 @@ class QuantMethod(ABC):
     shard)`` (see models/loader.py). ``model.config.hf_config`` is the checkpoint's config.json.
     """
 
+    #: GGUF block formats ("q8_0", ...) whose arithmetic is this method's own, so that their
+    #: blocks may run as they are (contract 1.3; an older engine ignores it). On a GGUF whose
+    #: blocks (every tensor it holds as blocks) are all in these formats, on a CPU, in float32,
+    #: without tensor parallelism, where a registered linear kernel for each format with
+    #: :attr:`block_activations` is usable, the engine packs the blocks for that kernel and
+    #: calls neither :meth:`convert` nor :meth:`process_weights`; anywhere else the method
+    #: runs as usual.
+    gguf_blocks: tuple[str, ...] = ()
+    #: The activations those kernels take (their ``activations`` at ``register_linear_kernels``,
+    #: e.g. "int8": quantized per block of 32, as llama.cpp does); None: no block path.
+    block_activations: str | None = None
+
     @abstractmethod
     def detect(self, hf_config: dict) -> bool:
         """True when the checkpoint is already quantized with this method."""

@@ -141,9 +141,11 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
             (lambda device=None: check()) if check else None, priority=priority,
             description=description)
 
-    def linear_kernel(name, kernel, *, weight_dtype, check=None, priority=0, description=""):
+    def linear_kernel(name, kernel, *, weight_dtype, check=None, priority=0, description="",
+                      activations="float32"):
         add(regs.linear_kernels, "linear_kernels", name, kernel, check,
-            weight_dtype=weight_dtype, priority=priority, description=description)
+            weight_dtype=weight_dtype, priority=priority, description=description,
+            activations=activations)
 
     def model(arch, cls):
         add(regs.models, "models", arch, cls)

@@ -269,24 +269,34 @@ def resolve_grammar_backend(regs: Registries, name: str) -> Entry | None:
 
 
 def resolve_linear_kernel(regs: Registries, weight_dtype: str, device,
-                          forced: str | None = None) -> Entry | None:
+                          forced: str | None = None,
+                          activations: str | None = None) -> Entry | None:
     """The registered linear kernel for weights in ``weight_dtype`` on ``device``: ``forced``
-    (``ENGINE_LINEAR_KERNEL=NAME``; an error when it cannot run or keeps other weights), else
-    the usable one with the highest priority; None when none is (the core's own kernels run)."""
+    (``ENGINE_LINEAR_KERNEL=NAME``; an error when it cannot run, keeps other weights or takes
+    other activations), else the usable one with the highest priority; None when none is (the
+    core's own kernels run). ``activations`` ("float32", "int8"; None: any): only kernels
+    registered with those activations."""
+    def fits(e: Entry) -> bool:
+        return e.extra.get("weight_dtype") == weight_dtype and (
+            activations is None or e.extra.get("activations", "float32") == activations)
+
+    wanted = weight_dtype + (f" weights with {activations} activations" if activations
+                             else " weights")
     if forced:
         entry = regs.linear_kernels.get(forced)
         reason = entry.unavailable_reason(device)
         if reason is None and entry.extra.get("weight_dtype") != weight_dtype:
             reason = (f"it keeps {entry.extra.get('weight_dtype')} weights and the model runs "
                       f"with {weight_dtype} ones")
+        elif reason is None and not fits(entry):
+            reason = (f"it takes {entry.extra.get('activations', 'float32')} activations and "
+                      f"the model runs with {activations} ones")
         if reason:
             usable = [e.name for e in regs.linear_kernels
-                      if e.extra.get("weight_dtype") == weight_dtype
-                      and e.unavailable_reason(device) is None]
+                      if fits(e) and e.unavailable_reason(device) is None]
             raise BackendUnavailable(
                 f"linear kernel '{entry.name}' ({entry.origin}) cannot run here: {reason}. "
-                f"Usable for {weight_dtype} weights: {', '.join(usable) or 'none'}.")
+                f"Usable for {wanted}: {', '.join(usable) or 'none'}.")
         return entry
-    usable = [e for e in regs.linear_kernels if e.extra.get("weight_dtype") == weight_dtype
-              and e.unavailable_reason(device) is None]
+    usable = [e for e in regs.linear_kernels if fits(e) and e.unavailable_reason(device) is None]
     return max(usable, key=lambda e: e.extra.get("priority", 0), default=None)

@@ -13,7 +13,8 @@ from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
 from engine.layers.linear import prepack_linears
 from engine.memory.kv_pool import KVPool
-from engine.models.block_weights import block_reason, pack_block_linears
+from engine.models.block_weights import (block_note, block_reason, pack_block_linears,
+                                         quant_block_reason)
 from engine.models.checkpoint import Checkpoint, open_checkpoint
 from engine.models.config import ModelConfig
 from engine.models.dtype import cpu_half_weights, resolve_dtype
@@ -47,6 +48,16 @@ class ModelRunner:
         parallel = {"tp": tp} if tp is not None else {}
         if pp is not None:
             parallel["pp"] = pp
+        # a quantization method whose arithmetic the GGUF's blocks are runs as them (see
+        # QuantMethod.gguf_blocks): the model is not converted, the blocks are packed for the
+        # kernels taking its activations, and the start log's quantization line says so
+        self.quant_note, activations = None, None
+        if quant_method is not None and quant_block_reason(
+                quant_method, ckpt, device.torch_device, self.dtype, half_weights,
+                tp is not None, registries) is None:
+            activations = quant_method.block_activations
+            self.quant_note = block_note(ckpt.block_formats(), activations)
+            quant_method = None
         self.model = load_model(model_cls, self.model_config, ckpt, self.dtype,
                                 device.torch_device, quant_method, **parallel)
         self.compiled = None
@@ -56,7 +67,8 @@ class ModelRunner:
         # as opaque ops, see compile.py)
         self.linear_kernel = self._pack_linears(ckpt, registries, half_weights,
                                                 parallel=tp is not None,
-                                                quantized=quant_method is not None)
+                                                quantized=quant_method is not None,
+                                                activations=activations)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 
@@ -76,14 +88,14 @@ class ModelRunner:
         self.cpu_graph = None  # a CpuGraphRunner once init_cpu_graph() recorded it
 
     def _pack_linears(self, ckpt, registries, half_weights: bool, parallel: bool,
-                      quantized: bool) -> str:
+                      quantized: bool, activations: str | None = None) -> str:
         """Pack the linears for the kernels that run them here (a GGUF's Q4_1/Q8_0 blocks as
-        they are where a kernel for them runs, see block_weights.py; the others by
-        prepack_linears); returns the log line."""
+        they are where a kernel for them runs, see block_weights.py: with ``activations``,
+        a kernel taking those; the others by prepack_linears); returns the log line."""
         device = self.device.torch_device
         parts = []
         if block_reason(ckpt, device, self.dtype, half_weights, parallel, quantized) is None:
-            parts = pack_block_linears(self.model, ckpt, registries)
+            parts = pack_block_linears(self.model, ckpt, registries, activations)
         rest = prepack_linears(self.model, device, self.dtype, half_weights, registries)
         if not parts:
             return rest

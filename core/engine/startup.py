@@ -136,7 +136,11 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
     if quant is not None:
         how = ("--quantization" if config.quantization else
                "detected from the checkpoint's quantization_config")
-        lines.append(f"quantization: {quant.name} ({quant.origin}), {how}")
+        # run as a GGUF's blocks (QuantMethod.gguf_blocks): how, e.g. "on the GGUF's q8_0
+        # blocks as they are: int8 activations per block of 32 (llama.cpp's arithmetic)"
+        note = getattr(runner, "quant_note", None)
+        lines.append(f"quantization: {quant.name} ({quant.origin}), {how}"
+                     + (f"; {note}" if note else ""))
     attn = resolved.attention
     lines.append(f"attention backend: {attn.name} ({attn.origin}); "
                  f"schedule policy: {resolved.policy.name}; radix cache: "

@@ -5,7 +5,7 @@ built on first use with the system compiler."""
 
 from engine import hookimpl
 
-ENGINE_HOOKS_VERSION = "1.3"  # register_linear_kernels; 1.3: CPU graph nodes
+ENGINE_HOOKS_VERSION = "1.3"  # register_linear_kernels; 1.3: CPU graph nodes, activations=
 
 
 def _checker(kernel):
@@ -23,9 +23,11 @@ def register_linear_kernels(register):
                 "avx512_q4_0": 30, "avx512_q4_1": 30, "avx2_q4_0": 10, "avx2_q4_1": 10,
                 # GGUF blocks: weight-only (float32 activations) before int8 activations, so
                 # that a GGUF model answers as its dequantized float32 weights do; the int8
-                # ones by name (ENGINE_LINEAR_KERNEL=avx512_q4_1)
+                # ones by name (ENGINE_LINEAR_KERNEL=avx512_q4_1) or for a quantization method
+                # whose block_activations are "int8" (--quantization w8a8_int8 on Q8_0 blocks)
                 "avx512_q4_1_f32": 40, "avx512_q4_0_f32": 40, "avx512_q8_0_f32": 40,
                 "avx2_q4_1_f32": 35, "avx2_q4_0_f32": 35, "avx2_q8_0_f32": 35}
     for k in KERNELS:
         register(k.name, k, weight_dtype=k.weight_dtype, check=_checker(k),
-                 priority=priority[k.name], description=k.description)
+                 priority=priority[k.name], description=k.description,
+                 activations=k.activations)

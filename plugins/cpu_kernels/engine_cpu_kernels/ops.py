@@ -222,6 +222,13 @@ class CPUGemm(LinearKernel):
         self.name, self.weight_dtype, self.fmt, self.isa = name, weight_dtype, fmt, isa
         self.needs, self.description, self.weight_only = needs, description, weight_only
 
+    @property
+    def activations(self) -> str:
+        """What it multiplies the weights with (``register_linear_kernels``' ``activations``):
+        "int8" for the block formats' llama.cpp kernels (activations quantized per block of
+        32), "float32" for the others (float16 / bfloat16 weights, weight-only blocks)."""
+        return "float32" if self.weight_only or self.weight_dtype not in GGUF_BLOCKS else "int8"
+
     def unavailable_reason(self) -> str | None:
         try:
             have = K_.features()

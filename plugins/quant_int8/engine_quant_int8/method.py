@@ -4,6 +4,11 @@ Checkpoints: a float one (bf16/fp16/fp32, or a GGUF, which the core dequantizes)
 at load, per output channel; an int8 one in SGLang's ``w8a8_int8`` layout (config.json
 ``quantization_config.quant_method == "w8a8_int8"``, int8 weights with ``weight_scale`` [out, 1])
 is loaded as it is. The embedding and the LM head stay in the model dtype, as in SGLang.
+
+A GGUF whose blocks are all Q8_0 (int8 weights, a scale per block of 32) already is W8A8's
+weights: on a CPU in float32 the engine runs those blocks as they are through a linear kernel
+taking int8 activations (``gguf_blocks``, ``block_activations``: engine-cpu-kernels'
+``avx512_q8_0``/``avx2_q8_0``, llama.cpp's arithmetic) and never calls ``convert`` here.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ def kernel_reason(device) -> str | None:
 
 
 class W8A8Int8Method(QuantMethod):
+    # Q8_0 blocks are int8 weights; with activations quantized to int8 per block of 32 they are
+    # W8A8 as llama.cpp computes it (see QuantMethod.gguf_blocks; the engine decides where)
+    gguf_blocks = ("q8_0",)
+    block_activations = "int8"
+
     def __init__(self):
         self._logged = False
         self._reduced = 0

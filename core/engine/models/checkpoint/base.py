@@ -34,6 +34,10 @@ class Checkpoint:
         GGUF's Q4_1, ...): (format, raw bytes [rows, bytes per row]); None: only ``tensors``."""
         return None
 
+    def block_formats(self) -> set[str]:
+        """The block formats of every weight ``blocks`` gives ({"q8_0"}, ...); empty: none."""
+        return set()
+
     def load_tokenizer(self):
         raise NotImplementedError
 

@@ -92,6 +92,22 @@ class GGUFCheckpoint(Checkpoint):
             self._blocks = self._load_blocks()
         return self._blocks.get(name)
 
+    def block_formats(self) -> set[str]:
+        """The formats of every tensor ``blocks`` gives ({"q4_1", "q8_0"} for the default
+        model: Q4_1 linears, a Q8_0 embedding). Listed in the cache (``block_formats.json``),
+        so that asking (a ``--quantization`` that then converts the model) neither parses the
+        GGUF nor keeps its blocks in memory at a later start."""
+        listed = self.cache_dir / "block_formats.json"
+        if self._blocks is None and listed.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                return set(json.loads(listed.read_text()))
+        blocks = self._blocks if self._blocks is not None else self._load_blocks()
+        formats = {fmt for fmt, _ in blocks.values()}
+        if not listed.is_file():
+            self._try_cache("block formats",
+                            lambda: write_atomic(listed, json.dumps(sorted(formats))))
+        return formats
+
     def _load_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
         path = self.cache_dir / "blocks.safetensors"
         if path.is_file():
