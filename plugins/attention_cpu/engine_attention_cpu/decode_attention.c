@@ -7,7 +7,9 @@
  * than 4 per thread) each request's keys are cut into chunks so that every thread has work
  * (split-KV, "flash decoding"): each chunk leaves its softmax state (max, sum, weighted values)
  * in scratch and a second phase, after a barrier, merges a request's chunks. Items are dealt
- * round-robin to the threads.
+ * round-robin to the threads. Where the head dim is a multiple of 16 (up to 128) the scores of
+ * 16 keys are reduced together, the softmax's exp runs on 16 lanes and the weighted values
+ * accumulate in registers (attend_keys_v); other head dims take the plain loops (attend_keys).
  *
  * Pool layout: [slots, KVH, D], element type float32, bfloat16 or float16 (converted to float32
  * on load, then multiplied by the layer's K or V scale). Two entry points share the kernel:
@@ -143,25 +145,44 @@ static inline void prefetch_row(const void *pool, int64_t off, int64_t bytes, in
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+/* ask for the K and V rows of keys [j0, j1) (the first ones of an item: next_key asks for
+ * the rest PREFETCH keys ahead) */
+static inline void prefetch_keys(const prob_t *p, const int32_t *tab, int64_t j0, int64_t j1) {
+    const int64_t row = p->KVH * p->D;
+    const int esize = p->dtype == F32 ? 4 : 2;
+    for (int64_t j = j0; j < j1; j++) {
+        prefetch_row(p->k_pool, tab[j] * row, row * esize, esize);
+        prefetch_row(p->v_pool, tab[j] * row, row * esize, esize);
+    }
+}
+
+/* key j's K row as float32 (converted into tmp where the pool is not float32 or scaled),
+ * after asking for the K and V rows PREFETCH keys ahead (slots are scattered in the pool) */
+static inline const float *next_key(const prob_t *p, const int32_t *tab, int64_t j, int64_t j1,
+                                    float *tmp) {
+    const int64_t row = p->KVH * p->D;
+    const int esize = p->dtype == F32 ? 4 : 2;
+    if (j + PREFETCH < j1) {
+        const int64_t ahead = tab[j + PREFETCH] * row;
+        prefetch_row(p->k_pool, ahead, row * esize, esize);
+        prefetch_row(p->v_pool, ahead, row * esize, esize);
+    }
+    return load_row(p->k_pool, p->dtype, tab[j] * row, row, p->k_scale, tmp);
+}
+
 /* keys [j0, j1) of `tab` for every head of one query row: m, l (per head) and acc (H x D)
  * hold the online-softmax state, initialised here */
 static void attend_keys(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
                         int64_t j1, float *m, float *l, float *acc) {
+    prefetch_keys(p, tab, j0, j0 + PREFETCH < j1 ? j0 + PREFETCH : j1);
     const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D;
-    const int esize = p->dtype == F32 ? 4 : 2;
     float s[H * BLOCK], tmp[row];
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t jb = j0; jb < j1; jb += BLOCK) {
         const int64_t n = j1 - jb < BLOCK ? j1 - jb : BLOCK;
         for (int64_t j = 0; j < n; j++) {
-            if (jb + j + PREFETCH < j1) {
-                const int64_t ahead = tab[jb + j + PREFETCH] * row;
-                prefetch_row(p->k_pool, ahead, row * esize, esize);
-                prefetch_row(p->v_pool, ahead, row * esize, esize);
-            }
-            const float *k = load_row(p->k_pool, p->dtype, tab[jb + j] * row, row, p->k_scale,
-                                      tmp);
+            const float *k = next_key(p, tab, jb + j, j1, tmp);
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = q + h * D, *kh = k + (h / G) * D;
                 float dot = 0.0f;
@@ -200,6 +221,134 @@ static void attend_keys(const prob_t *p, const float *q, const int32_t *tab, int
     }
 }
 
+/* ---- the vector path (head_dim a multiple of 16): 16 lanes of float, whatever the CPU's
+ * vectors (-march=native: one zmm on AVX-512, two ymm on AVX2) */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 ld16(const float *p) { return *(const v16u *)p; }
+static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
+
+/* lane i of the result: the sum of v[i]'s 16 lanes (a transpose-and-add tree: 30 shuffles and
+ * 15 adds for 16 sums, where one sum at a time takes ~8 operations) */
+static inline v16 hsum16(const v16 *v) {
+    const i16v a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16v b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16v a2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i16v b2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i16v a3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i16v b3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i16v a4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i16v b4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)  /* t[i]: v[i]'s 8 pair sums, then v[i + 8]'s */
+        t[i] = __builtin_shuffle(v[i], v[i + 8], a1) + __builtin_shuffle(v[i], v[i + 8], b1);
+    for (int i = 0; i < 4; i++)  /* u[i]: 4 sums each of v[i], v[i+4], v[i+8], v[i+12] */
+        u[i] = __builtin_shuffle(t[i], t[i + 4], a2) + __builtin_shuffle(t[i], t[i + 4], b2);
+    for (int i = 0; i < 2; i++)  /* w[i]: 2 sums each of v[i], v[i+2], ..., v[i+14] */
+        w[i] = __builtin_shuffle(u[i], u[i + 2], a3) + __builtin_shuffle(u[i], u[i + 2], b3);
+    return __builtin_shuffle(w[0], w[1], a4) + __builtin_shuffle(w[0], w[1], b4);
+}
+
+/* exp of 16 lanes (libm's expf is one call per value): 2^n * p(r), r = x - n ln 2, Cephes'
+ * degree-6 polynomial (~2e-7 relative error, as expf); 0 below -87, clamped at 88 */
+static inline v16 vexp16(v16 x) {
+    const i16v under = x < -87.0f;
+    const i16v over = x > 88.0f;
+    x = (v16)(((i16v)x & ~(under | over)) | ((i16v)((v16){0} + 88.0f) & over));
+    const i16v n = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, i16v) - 128;
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    v16 y = (v16){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return (v16)((i16v)(y * (v16)((n + 127) << 23)) & ~under);
+}
+
+/* q . k over D = 16 * dv floats, two chains of FMAs; dv constant where inlined */
+static inline v16 dot16(const float *q, const float *k, const int64_t dv) {
+    v16 a = ld16(q) * ld16(k), b = (v16){0};
+    for (int64_t c = 1; c + 1 < dv; c += 2) {
+        a += ld16(q + 16 * c) * ld16(k + 16 * c);
+        b += ld16(q + 16 * c + 16) * ld16(k + 16 * c + 16);
+    }
+    if (dv % 2 == 0) b += ld16(q + 16 * dv - 16) * ld16(k + 16 * dv - 16);
+    return a + b;
+}
+
+/* acc[D] += sum_j w[j] * rows[j][off .. off + D), the accumulator in registers (dv <= 8) */
+static inline void weighted_rows(float *acc, const float *const *rows, const float *w,
+                                 int64_t n, int64_t off, const int64_t dv) {
+    v16 a[8];
+    for (int64_t c = 0; c < dv; c++) a[c] = ld16(acc + 16 * c);
+    for (int64_t j = 0; j < n; j++) {
+        const v16 wj = (v16){0} + w[j];
+        const float *r = rows[j] + off;
+        for (int64_t c = 0; c < dv; c++) a[c] += wj * ld16(r + 16 * c);
+    }
+    for (int64_t c = 0; c < dv; c++) st16(acc + 16 * c, a[c]);
+}
+
+/* attend_keys for D a multiple of 16 (at most 128 for the register accumulators, the usual
+ * 64 and 128 specialised): per block of 16 keys, each head's 16 dot products end as 16
+ * vectors of partial sums reduced together (hsum16), and the weighted values accumulate per
+ * head over the block's rows in registers */
+static void attend_keys_v(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
+                          int64_t j1, float *m, float *l, float *acc) {
+    prefetch_keys(p, tab, j0, j0 + PREFETCH < j1 ? j0 + PREFETCH : j1);
+    const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D, DV = D / 16;
+    const int convert = p->dtype != F32 || p->k_scale != 1.0f || p->v_scale != 1.0f;
+    v16 part[H * 16];
+    float s[H * 16], kt[row], vt[convert ? 16 * row : 1];
+    const float *vrows[16];
+    for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t jb = j0; jb < j1; jb += 16) {
+        const int64_t n = j1 - jb < 16 ? j1 - jb : 16;
+        for (int64_t j = 0; j < n; j++) {
+            const float *k = next_key(p, tab, jb + j, j1, kt);
+            for (int64_t kh = 0, h = 0; kh < KVH; kh++)
+                for (int64_t g = 0; g < G; g++, h++)
+                    part[h * 16 + j] = DV == 4 ? dot16(q + h * D, k + kh * D, 4)
+                                     : DV == 8 ? dot16(q + h * D, k + kh * D, 8)
+                                               : dot16(q + h * D, k + kh * D, DV);
+        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t j = n; j < 16; j++) part[h * 16 + j] = (v16){0};
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = s + h * 16, mx = m[h];
+            st16(sh, hsum16(part + h * 16) * p->scale);
+            for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+            st16(sh, vexp16(ld16(sh) - mx));
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; j++) sum += sh[j];
+            if (mx != m[h]) {
+                const float corr = expf(m[h] - mx);
+                const v16 cv = (v16){0} + corr;
+                float *ah = acc + h * D;
+                for (int64_t c = 0; c < DV; c++) st16(ah + 16 * c, ld16(ah + 16 * c) * cv);
+                l[h] *= corr;
+                m[h] = mx;
+            }
+            l[h] += sum;
+        }
+        for (int64_t j = 0; j < n; j++)
+            vrows[j] = load_row(p->v_pool, p->dtype, tab[jb + j] * row, row, p->v_scale,
+                                vt + (convert ? j * row : 0));
+        for (int64_t kh = 0, h = 0; kh < KVH; kh++)
+            for (int64_t g = 0; g < G; g++, h++) {
+                if (DV == 4) weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 4);
+                else if (DV == 8) weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 8);
+                else weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, DV);
+            }
+    }
+}
+
 static void finish(const float *l, const float *acc, int64_t H, int64_t D, float *o) {
     for (int64_t h = 0; h < H; h++) {
         const float inv = 1.0f / l[h];
@@ -210,6 +359,13 @@ static void finish(const float *l, const float *acc, int64_t H, int64_t D, float
 __attribute__((optimize("no-fast-math"))) static void store(void *pool, int dtype, int64_t off,
                                                              const float *x, int64_t n,
                                                              int scaled, float scale);
+
+/* the vector path where the head dim allows it */
+static inline void attend(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
+                          int64_t j1, float *m, float *l, float *acc) {
+    if (p->D % 16 == 0 && p->D <= 128) attend_keys_v(p, q, tab, j0, j1, m, l, acc);
+    else attend_keys(p, q, tab, j0, j1, m, l, acc);
+}
 
 /* phase 1 on thread tid of nth: the items; chunk C (0: whole requests) */
 static void attend_items(const prob_t *p, int64_t C, int tid, int nth) {
@@ -232,11 +388,11 @@ static void attend_items(const prob_t *p, int64_t C, int tid, int nth) {
                       p->scaled, p->v_scale);
             }
             if (chunks == 1) {
-                attend_keys(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
+                attend(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
                 finish(l, acc, H, D, p->out + qrow * p->ldo);
             } else {
                 float *st = p->partial + item * state;
-                attend_keys(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
+                attend(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
             }
         }
     }
