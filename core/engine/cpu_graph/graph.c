@@ -24,6 +24,7 @@ typedef struct {
     int n, cap;
     node_t *nodes;
     double *times; /* when set: seconds each node took (to the barrier after it), added up */
+    uint64_t runs;
 } ek_graph_t;
 
 ek_graph_t *ek_graph_new(void) { return calloc(1, sizeof(ek_graph_t)); }
@@ -54,12 +55,12 @@ int ek_graph_size(const ek_graph_t *g) { return g->n; }
 void ek_graph_profile(ek_graph_t *g, double *times) { g->times = times; }
 
 /* One decode step: every node in order on nthreads threads, a barrier after each. */
-void ek_graph_run(const ek_graph_t *g, int nthreads, int64_t rows, const int64_t *input_ids,
+void ek_graph_run(ek_graph_t *g, int nthreads, int64_t rows, const int64_t *input_ids,
                   const int64_t *positions, const int64_t *out_cache_loc,
                   const int64_t *req_rows, const int64_t *seq_lens, const int32_t *req_to_token,
                   int64_t req_to_token_stride) {
     const ek_step_t step = {rows, input_ids, positions, out_cache_loc, req_rows, seq_lens,
-                            req_to_token, req_to_token_stride};
+                            req_to_token, req_to_token_stride, ++g->runs};
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {

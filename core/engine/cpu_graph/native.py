@@ -19,7 +19,7 @@ SOURCE = HERE / "graph.c"
 HEADER = HERE / "graph.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-ffp-contract=off"]
-ABI = 1  # graph.h's EK_GRAPH_ABI
+ABI = 2  # graph.h's EK_GRAPH_ABI
 
 
 def include_dir() -> str:

@@ -380,33 +380,44 @@ static inline void attend(const prob_t *p, const float *q, const int32_t *tab, i
     else attend_keys(p, q, tab, j0, j1, m, l, acc);
 }
 
-/* phase 1 on thread tid of nth: the items; chunk C (0: whole requests) */
-static void attend_items(const prob_t *p, int64_t C, int tid, int nth) {
+static inline int64_t row_chunks(const prob_t *p, int64_t b, int64_t C) {
+    return C ? (p->seq_lens[b] - key_start(p, b) + C - 1) / C : 1;
+}
+
+/* phase 1 on thread tid of nth: the items, chunk C (0: whole requests); dealt round-robin, or
+ * with `next` claimed one at a time as threads come free (the graph node) */
+static void attend_items(const prob_t *p, int64_t C, ek_counter_t *next, const ek_step_t *s,
+                         int tid, int nth) {
     const int64_t H = p->H, D = p->D, row = p->KVH * D, state = 2 * H + H * D;
     float m[H], l[H], acc[H * D];
-    int64_t item = 0;
-    for (int64_t b = 0; b < p->B; b++) {
-        const int64_t L = p->seq_lens[b], start = key_start(p, b);
-        const int64_t chunks = C ? (L - start + C - 1) / C : 1;
+    int64_t total = 0;
+    for (int64_t b = 0; b < p->B; b++) total += row_chunks(p, b, C);
+    /* the row b holding the claimed item, its first item and chunk count: claims only grow */
+    int64_t b = 0, first = 0, chunks = p->B ? row_chunks(p, 0, C) : 0;
+    for (int64_t k = 0;; k++) {
+        const int64_t item = next ? ek_claim(next, s, 1, total) : tid + k * nth;
+        if (item < 0 || item >= total) break;
+        while (item >= first + chunks) {
+            first += chunks;
+            chunks = row_chunks(p, ++b, C);
+        }
+        const int64_t c = item - first, L = p->seq_lens[b], start = key_start(p, b);
         const int64_t qrow = p->q_rows ? p->q_rows[b] : b;
         const int32_t *tab = p->table + p->req_rows[b] * p->table_stride;
-        for (int64_t c = 0; c < chunks; c++, item++) {
-            if (item % nth != tid) continue;
-            const int64_t j0 = start + c * (C ? C : 0), j1 = C && j0 + C < L ? j0 + C : L;
-            if (p->k_new && j1 == L) { /* the chunk that reads the new token stores it */
-                const int64_t off = p->new_slots[b] * row;
-                store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row,
-                      p->scaled, p->k_scale);
-                store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row,
-                      p->scaled, p->v_scale);
-            }
-            if (chunks == 1) {
-                attend(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
-                finish(l, acc, H, D, p->out + qrow * p->ldo);
-            } else {
-                float *st = p->partial + item * state;
-                attend(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
-            }
+        const int64_t j0 = start + c * C, j1 = C && j0 + C < L ? j0 + C : L;
+        if (p->k_new && j1 == L) { /* the chunk that reads the new token stores it */
+            const int64_t off = p->new_slots[b] * row;
+            store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row, p->scaled,
+                  p->k_scale);
+            store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row, p->scaled,
+                  p->v_scale);
+        }
+        if (chunks == 1) {
+            attend(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
+            finish(l, acc, H, D, p->out + qrow * p->ldo);
+        } else {
+            float *st = p->partial + item * state;
+            attend(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
         }
     }
 }
@@ -479,7 +490,7 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         const int64_t C = chunk_size(&p, nth);
-        attend_items(&p, C, tid, nth);
+        attend_items(&p, C, NULL, NULL, tid, nth);
 #pragma omp barrier
         merge_items(&p, C, tid, nth);
     }
@@ -489,6 +500,7 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
 /* ---------------------------------------------------------------- CPU graph node */
 
 typedef struct {
+    ek_counter_t next; /* the next item to claim (ek_claim) */
     prob_t p;   /* B, the rows and the step's tables filled per step */
     int64_t ldk, ldv;
 } attn_node_args;
@@ -545,8 +557,9 @@ static prob_t step_problem(const attn_node_args *a, const ek_step_t *s) {
 
 /* the new K/V stored and every item attended (phase 1) ... */
 void ek_attention_node(const void *a_, const ek_step_t *s, int tid, int nth) {
-    const prob_t p = step_problem(a_, s);
-    attend_items(&p, chunk_size(&p, nth), tid, nth);
+    attn_node_args *a = (attn_node_args *)a_;
+    const prob_t p = step_problem(a, s);
+    attend_items(&p, chunk_size(&p, nth), &a->next, s, tid, nth);
 }
 
 /* ... then (the next node, after the barrier) the split requests merged */

@@ -1684,6 +1684,7 @@ int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, in
  * run two nodes: ek_linear_node_prep writes them into the node's own buffer (rows split over
  * the threads), ek_linear_node_gemm splits the output tiles over the threads. */
 typedef struct {
+    ek_counter_t next; /* the next output tile to claim (ek_claim) */
     job_t j;        /* M set per step */
     const float *x; /* the input buffer as given */
     int64_t ldx_in, cap;
@@ -1769,12 +1770,18 @@ void ek_linear_node_prep(const void *p, const ek_step_t *s, int tid, int nth) {
         bf16_rows(n->x, DT_F32, m0, m1, K, n->ldx_in, n->buf);
 }
 
+/* the output tiles claimed a few at a time (about 4 claims per thread: a thread held up by
+ * another process leaves its tiles to the others), contiguous within a claim */
 void ek_linear_node_gemm(const void *p, const ek_step_t *s, int tid, int nth) {
-    const lnode_t *n = p;
+    lnode_t *n = (lnode_t *)p;
     job_t j = n->j;
     j.M = s->rows;
     const int64_t nt = (j.N + NR - 1) / NR;
-    run_tiles(&j, nt * tid / nth, nt * (tid + 1) / nth);
+    int64_t chunk = nt / (4 * nth);
+    if (chunk < 1) chunk = 1;
+    for (int64_t t0; (t0 = ek_claim(&n->next, s, chunk, nt)) >= 0;)
+        run_tiles(&j, t0, t0 + chunk < nt ? t0 + chunk : nt);
+    (void)tid;
 }
 
 /* ---------------------------------------------------------------- peak throughput */
