@@ -46,9 +46,6 @@ class GraphBuilder:
                 raise GraphUnsupported(f"not a graph node: {node!r}")
             self.nodes.append(node)
 
-    def unsupported(self, why: str) -> GraphUnsupported:
-        return GraphUnsupported(why)
-
     def _core(self, fn: str, args: int, name: str, *keep) -> None:
         self.add([GraphNode(native.address(self.lib, fn), args, name,
                             [CArgs(args, self.lib.ek_args_free, name), *keep])])
