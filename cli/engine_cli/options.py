@@ -178,6 +178,16 @@ ENGINE_OPTIONS = [
                  help="The exact decode batch sizes to capture, e.g. \"1,2,4,8,16\"."),
     click.option("--disable-cuda-graph", "--enforce-eager", "disable_cuda_graph", is_flag=True,
                  help="Run every decode step eagerly (no CUDA graphs)."),
+    click.option("--enable-piecewise-cuda-graph", is_flag=True,
+                 help="Capture CUDA graphs of the layers between attentions for prompt, extend "
+                      "and mixed batches (attention runs eagerly between them; GPU only, never "
+                      "run on one yet: off by default)."),
+    click.option("--disable-piecewise-cuda-graph", is_flag=True,
+                 help="SGLang's switch for piecewise CUDA graphs; off is already the default."),
+    click.option("--piecewise-cuda-graph-max-tokens", default=_D.piecewise_cuda_graph_max_tokens,
+                 type=int,
+                 help="The largest token count captured as piecewise CUDA graphs (at most the "
+                      "chunked prefill size); bigger batches run eagerly."),
     click.option("--cpu-graph-max-bs", default=_D.cpu_graph_max_bs, type=int,
                  help="On a CPU, decode batches of up to this many requests replay the CPU "
                       "graph (the forward recorded once as C nodes: one call a step)."),

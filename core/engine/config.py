@@ -57,6 +57,11 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None  # the exact sizes to capture
     disable_cuda_graph: bool = False
+    # piecewise CUDA graphs for prompt/extend/mixed batches of up to that many tokens (SGLang's;
+    # off by default here: never run on a GPU yet; disable_... is the explicit off)
+    enable_piecewise_cuda_graph: bool = False
+    disable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 4096
     # CPU graphs for decode batches of up to cpu_graph_max_bs requests (engine/cpu_graph)
     cpu_graph_max_bs: int = 64
     disable_cpu_graph: bool = False
@@ -128,6 +133,7 @@ class EngineConfig:
              f"--cpu-graph-max-bs must be >= 1, got {self.cpu_graph_max_bs}")
         need(not self.cuda_graph_bs or min(self.cuda_graph_bs) >= 1,
              f"--cuda-graph-bs sizes must be >= 1, got {self.cuda_graph_bs}")
+        self._check_piecewise(need)
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         self._check_parallel(need)
@@ -145,6 +151,17 @@ class EngineConfig:
              f"dp_size {self.dp_size}: one Engine is one replica; N replicas are N processes "
              f"behind a router: run `engine serve --dp-size {self.dp_size}`")
         return self
+
+    def _check_piecewise(self, need) -> None:
+        need(self.piecewise_cuda_graph_max_tokens >= 1,
+             f"--piecewise-cuda-graph-max-tokens must be >= 1, got "
+             f"{self.piecewise_cuda_graph_max_tokens}")
+        need(not (self.enable_piecewise_cuda_graph and self.disable_piecewise_cuda_graph),
+             "--enable-piecewise-cuda-graph and --disable-piecewise-cuda-graph contradict each "
+             "other; give one of them (off is the default).")
+        need(not (self.enable_piecewise_cuda_graph and self.enable_torch_compile),
+             "--enable-piecewise-cuda-graph with --enable-torch-compile is not supported: the "
+             "pieces run the eager layers, not the compiled decoder; drop one of them.")
 
     def _check_parallel(self, need) -> None:
         from engine.parallel.topology import Topology

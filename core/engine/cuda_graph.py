@@ -8,7 +8,8 @@ and lengths are copied into the fixed batch in place, the rows past ``b`` become
 pool's scratch request row: one key at the scratch slot 0, K/V written to slot 0), the attention
 backend refills its own fixed metadata buffers outside the graph
 (``init_forward_metadata_replay_cuda_graph``), and the graph runs with no Python and no kernel
-launches of its own. Larger batches, prompts and mixed steps run eagerly.
+launches of its own. Larger batches, prompts and mixed steps run eagerly (or through the
+piecewise graphs: piecewise_cuda_graph.py).
 
 The graphs share one memory pool and are captured largest first, so the smaller ones reuse the
 largest one's activations; that memory lies outside ``--mem-fraction-static`` (see sizing.py).
@@ -82,7 +83,7 @@ def capture_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
     return sorted({s for s in ladder if s < max_bs} | {max_bs})
 
 
-class _CudaGraph:
+class PooledCudaGraph:
     """One torch.cuda.CUDAGraph, captured into the runner's shared memory pool."""
 
     def __init__(self, pool):
@@ -148,7 +149,7 @@ class CudaGraphRunner:
                     forward()
                 if not self.graph_cls:
                     torch.cuda.synchronize()
-                graph = self.graph_cls() if self.graph_cls else _CudaGraph(mempool)
+                graph = self.graph_cls() if self.graph_cls else PooledCudaGraph(mempool)
                 self.outputs[bs] = graph.capture(forward)
                 self.graphs[bs] = graph
         if not self.graph_cls:
@@ -210,19 +211,28 @@ def capture_decode_graphs(runner, config, device, sizing, backend_name: str) -> 
         return (f"cuda graph: off (attention backend {backend_name} cannot run "
                 f"inside a CUDA graph; triton, flashinfer, trtllm_mha and fa3 can)")
     sizes = [s for s in capture_sizes(max_bs, config.cuda_graph_bs) if s <= max_bs]
+    logged_capture("cuda graph", lambda: runner.init_cuda_graphs(sizes), (
+        f"CUDA graph capture ran out of GPU memory ({len(sizes)} sizes up to {max_bs} "
+        f"requests): lower --mem-fraction-static (now {sizing.mem_fraction_static}) or "
+        f"--cuda-graph-max-bs, or pass --disable-cuda-graph."))
+    return f"cuda graph: on, captured bs {sizes}"
+
+
+def logged_capture(what: str, capture: Callable[[], float],
+                   out_of_memory: str) -> tuple[float, int]:
+    """Run ``capture`` (it returns its seconds) between SGLang's ``Capture <what> begin/end``
+    log lines with the GPU memory it took; returns (seconds, bytes taken). Running out of GPU
+    memory raises EngineError(``out_of_memory``: what to lower)."""
     gb = 1 << 30
     try:
         with measure_cuda_memory() as mem:
-            logger.info(f"Capture cuda graph begin. This can take up to several minutes. "
+            logger.info(f"Capture {what} begin. This can take up to several minutes. "
                         f"avail mem={mem['before'] / gb:.2f} GB")
-            seconds = runner.init_cuda_graphs(sizes)
+            seconds = capture()
     except RuntimeError as e:  # torch.OutOfMemoryError is one
         if "out of memory" not in str(e):
             raise
-        raise EngineError(
-            f"CUDA graph capture ran out of GPU memory ({len(sizes)} sizes up to {max_bs} "
-            f"requests): lower --mem-fraction-static (now {sizing.mem_fraction_static}) or "
-            f"--cuda-graph-max-bs, or pass --disable-cuda-graph.") from None
-    logger.info(f"Capture cuda graph end. Time elapsed: {seconds:.2f} s. "
+        raise EngineError(out_of_memory) from None
+    logger.info(f"Capture {what} end. Time elapsed: {seconds:.2f} s. "
                 f"mem usage={mem['used'] / gb:.2f} GB. avail mem={mem['free'] / gb:.2f} GB.")
-    return f"cuda graph: on, captured bs {sizes}"
+    return seconds, mem["used"]

@@ -86,6 +86,7 @@ class Engine:
         from engine.cpu_graph.replay import build_cpu_graph
         from engine.cuda_graph import capture_decode_graphs
         from engine.grammar import build_compiler
+        from engine.piecewise_cuda_graph import capture_piecewise_graphs
 
         config = self.config
         torch.manual_seed(config.seed)  # --seed: the RNG that unseeded requests draw from
@@ -100,6 +101,8 @@ class Engine:
         warm_up_compiled(self.runner, config)
         self.cuda_graph = capture_decode_graphs(self.runner, config, self.device, sizing,
                                                 self.attention_backend)
+        self.piecewise_cuda_graph = capture_piecewise_graphs(self.runner, config, self.device,
+                                                             sizing)
         self.cpu_graph = build_cpu_graph(self.runner, config, self.device)
         self.eos_token_ids = eos_ids(self.runner.model_config, self.tokenizer)
         self.grammar = build_compiler(self.grammar_entry, self.tokenizer,

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 
 class GraphUnsupported(Exception):
-    """A part of the model cannot run in a CPU graph: the message says which and why (the
-    start log's "cpu graph: off (...)")."""
+    """A part of the model cannot run in a CPU graph, or be cut into piecewise CUDA graphs: the
+    message says which and why (the start log's "cpu graph: off (...)", "piecewise cuda graph:
+    off (...)")."""
 
 
 @dataclass

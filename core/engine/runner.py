@@ -86,6 +86,9 @@ class ModelRunner:
         self.cuda_graphs = None  # a CudaGraphRunner once init_cuda_graphs() captured them
         self.last_cuda_graph = False  # whether the latest forward replayed a graph
         self.cpu_graph = None  # a CpuGraphRunner once init_cpu_graph() recorded it
+        # a PiecewiseCudaGraphRunner once init_piecewise_cuda_graphs() captured them
+        self.piecewise_graphs = None
+        self.last_piecewise_graph = False  # whether the latest forward replayed its pieces
 
     def _pack_linears(self, ckpt, registries, half_weights: bool, parallel: bool,
                       quantized: bool, activations: str | None = None) -> str:
@@ -158,6 +161,18 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(self, sizes, graph_cls)
         return self.cuda_graphs.capture()
 
+    def init_piecewise_cuda_graphs(self, max_tokens: int, graph_cls=None) -> float:
+        """Capture the layers between attentions for batches of up to ``max_tokens`` tokens
+        (see piecewise_cuda_graph.py); returns seconds. Raises GraphUnsupported when the model
+        cannot be cut (no piecewise_parts, tensor- or pipeline-parallel layers)."""
+        from engine.piecewise_cuda_graph import PiecewiseCudaGraphRunner, capture_sizes
+
+        assert self.backend is not None, "call init_kv_pool() before init_piecewise_cuda_graphs()"
+        graphs = PiecewiseCudaGraphRunner(self, capture_sizes(max_tokens), graph_cls)
+        seconds = graphs.capture()
+        self.piecewise_graphs = graphs
+        return seconds
+
     def init_cpu_graph(self, max_rows: int):
         """Record the decode forward as a CPU graph for up to ``max_rows`` requests (see
         engine/cpu_graph); raises GraphUnsupported saying why it cannot."""
@@ -179,6 +194,12 @@ class ModelRunner:
         if self.last_cuda_graph:
             with torch.inference_mode():
                 return graphs.replay(batch).float()
+        pieces = self.piecewise_graphs  # never captured with pp or tp
+        self.last_piecewise_graph = (pieces is not None
+                                     and pieces.can_run(batch, return_all_logits))
+        if self.last_piecewise_graph:
+            with torch.inference_mode():
+                return pieces.replay(batch, return_all_logits).float()
         cpu_graph = self.cpu_graph
         if cpu_graph is not None and not return_all_logits and cpu_graph.can_run(batch):
             return cpu_graph.replay(batch)

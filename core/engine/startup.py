@@ -60,11 +60,13 @@ def start_runner(config, checkpoint, model_config, regs, device, resolved: Resol
 
 def plan_memory(config, runner, device, weights: int, kv_per_token: int, resolved: Resolved):
     """The sizing report (memory/sizing.py: KV pool tokens, running requests, chunk size),
-    leaving room for the CUDA graphs and what the attention backend holds beside them."""
+    leaving room for the CUDA graphs (decode and piecewise) and what the attention backend
+    holds beside them."""
     import torch
 
     from engine.cuda_graph import backend_graph_bytes, estimate_graph_bytes
     from engine.memory.sizing import plan
+    from engine.piecewise_cuda_graph import estimate_piecewise_bytes
 
     mc, attn_entry = runner.model_config, resolved.attention
     # a quantized KV cache reports its capacity against a bfloat16 one in the same memory
@@ -79,7 +81,8 @@ def plan_memory(config, runner, device, weights: int, kv_per_token: int, resolve
         config.plugin_options.get(attn_entry.plugin, {}), config.cuda_graph_bs)
     return plan(config, device, weights, kv_per_token,
                 config.kv_cache_dtype, mc.max_position_embeddings, reference,
-                graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs, backend_bytes))
+                graph_bytes=lambda bs: estimate_graph_bytes(mc, itemsize, bs, backend_bytes),
+                piecewise_bytes=lambda n: estimate_piecewise_bytes(mc, itemsize, n))
 
 
 def warm_up_compiled(runner, config) -> None:
@@ -127,7 +130,7 @@ def make_scheduler(config, runner, pool, sizing, policy_entry: Entry, eos_token_
 def start_lines(engine, resolved: Resolved) -> list[str]:
     """What the engine logs once ready: how the checkpoint was read, the model and its dtype,
     the kernels, quantization, backends and policies, the sizing report, the ranks, the CUDA
-    graphs, the KV scales."""
+    graphs (decode and piecewise), the KV scales."""
     config, runner, ckpt = engine.config, engine.runner, engine.checkpoint
     lines = list(ckpt.notes)
     lines += [f"model {engine.model_name} ({ckpt.path}): {runner.model_config.architecture}, "
@@ -150,7 +153,7 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
     lines += engine.sizing.lines()
     if engine.parallel is not None:
         lines.append(runner.describe())
-    lines.append(engine.cuda_graph)
+    lines += [engine.cuda_graph, engine.piecewise_cuda_graph]
     if engine.cpu_graph:
         lines.append(engine.cpu_graph)
     if resolved.kv.obj.needs_scale:

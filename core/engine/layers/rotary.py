@@ -59,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         rotation then runs in the activations' dtype, as in the HF reference). Once per
         forward, for every layer."""
         cs = self.cos_sin[:, positions]
-        sign = torch.ones(2, 1, cs.shape[-1] * 2)
+        sign = torch.ones(2, 1, cs.shape[-1] * 2, device=cs.device)
         sign[1, :, : cs.shape[-1]] = -1
         cs = (torch.cat((cs, cs), -1) * sign).to(dtype).unsqueeze(2)
         return cs[0], cs[1]

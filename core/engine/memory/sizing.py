@@ -44,6 +44,10 @@ class SizingReport:
     # to take, which must fit outside mem_fraction_static
     cuda_graph_max_bs: int = 0
     cuda_graph_reserve_bytes: int = 0
+    # piecewise CUDA graphs: the largest captured token count (0: none) and their memory, also
+    # outside mem_fraction_static
+    piecewise_cuda_graph_max_tokens: int = 0
+    piecewise_cuda_graph_reserve_bytes: int = 0
     # the request table (kv_pool.req_to_token: int32, a row per running request + scratch row)
     req_to_token_bytes: int = 0
     total_memory_bytes: int = 0  # the device's (GPU) or the machine's (RAM) total
@@ -58,15 +62,24 @@ class SizingReport:
                        f"{self.max_total_tokens / ref:.2f}x the {ref} tokens of a "
                        f"{self.reference_kv_dtype} KV cache in the same "
                        f"{self.kv_pool_bytes / (1 << 20):.1f} MiB"]
-        graphs = []
+        graphs, knobs, switches = [], ["--mem-fraction-static"], []
+        room = int(self.fraction_base_bytes * (1 - self.mem_fraction_static))
+        outside = f"expected outside mem_fraction_static (which leaves {room / gib:.2f} GiB)"
         if self.cuda_graph_max_bs:
-            room = int(self.fraction_base_bytes * (1 - self.mem_fraction_static))
-            graphs = [f"cuda graph: decode batches up to {self.cuda_graph_max_bs} requests, "
-                      f"about {self.cuda_graph_reserve_bytes / gib:.2f} GiB expected outside "
-                      f"mem_fraction_static (which leaves {room / gib:.2f} GiB)"]
-            if room < self.cuda_graph_reserve_bytes:
-                graphs.append("warning: that may not fit: lower --mem-fraction-static or "
-                              "--cuda-graph-max-bs (or --disable-cuda-graph)")
+            graphs.append(f"cuda graph: decode batches up to {self.cuda_graph_max_bs} requests, "
+                          f"about {self.cuda_graph_reserve_bytes / gib:.2f} GiB {outside}")
+            knobs.append("--cuda-graph-max-bs")
+            switches.append("--disable-cuda-graph")
+        if self.piecewise_cuda_graph_max_tokens:
+            graphs.append(f"piecewise cuda graph: batches up to "
+                          f"{self.piecewise_cuda_graph_max_tokens} tokens, about "
+                          f"{self.piecewise_cuda_graph_reserve_bytes / gib:.2f} GiB {outside}")
+            knobs.append("--piecewise-cuda-graph-max-tokens")
+            switches.append("run without --enable-piecewise-cuda-graph")
+        if graphs and room < self.cuda_graph_reserve_bytes + \
+                self.piecewise_cuda_graph_reserve_bytes:
+            graphs.append(f"warning: that may not fit: lower {', '.join(knobs[:-1])} or "
+                          f"{knobs[-1]} (or {' or '.join(switches)})")
         return [
             f"device: {self.device}, memory: {self.total_memory_bytes / gib:.2f} GiB total, "
             f"{self.available_memory_bytes / gib:.2f} GiB available at start; "
@@ -97,6 +110,30 @@ def cuda_graph_max_bs(config, device) -> int:
     return config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS
 
 
+def piecewise_off_reason(config, device) -> str | None:
+    """Why the piecewise CUDA graphs (piecewise_cuda_graph.py) are not captured; None: they
+    are."""
+    if config.disable_piecewise_cuda_graph:
+        return "--disable-piecewise-cuda-graph"
+    if not config.enable_piecewise_cuda_graph:
+        return "not enabled: --enable-piecewise-cuda-graph turns it on"
+    if not device.is_cuda:
+        return "needs a CUDA GPU; on a CPU the decode steps run as CPU graphs"
+    if config.tp_size * config.pp_size > 1:
+        return ("--tp-size/--pp-size > 1: the pieces are the single-process model's (a tp "
+                "layer's all-reduce, a stage's hand-off to the next rank)")
+    return None
+
+
+def piecewise_max_tokens(config, device, chunk: int) -> int:
+    """The largest token count the piecewise graphs capture (0: none): the flag's, at most the
+    largest prompt chunk a step holds (``chunk``, or --max-prefill-tokens without chunking)."""
+    if piecewise_off_reason(config, device) is not None:
+        return 0
+    largest = chunk if chunk > 0 else config.max_prefill_tokens
+    return min(config.piecewise_cuda_graph_max_tokens, largest)
+
+
 def default_max_running_requests(max_total_tokens: int, kind: str) -> int:
     """--max-running-requests when not given, on a ``kind`` ("cuda", "cpu") device: half the
     KV pool's tokens, at most the request pool's rows."""
@@ -105,14 +142,20 @@ def default_max_running_requests(max_total_tokens: int, kind: str) -> int:
 
 def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: str,
          model_context_len: int, reference_kv: tuple[str, int] | None = None,
-         graph_bytes=None) -> SizingReport:
+         graph_bytes=None, piecewise_bytes=None) -> SizingReport:
     """``reference_kv``: (dtype name, its KV bytes per token) to compare the capacity with;
-    ``graph_bytes(max_bs)``: the expected memory of CUDA graphs up to that batch size. Graphs
+    ``graph_bytes(max_bs)``: the expected memory of CUDA graphs up to that batch size;
+    ``piecewise_bytes(max_tokens)``: the piecewise CUDA graphs' up to that many tokens. Graphs
     live outside mem_fraction_static, so its default leaves room for them (SGLang's guide: a
     larger --cuda-graph-max-bs wants a lower --mem-fraction-static)."""
     kind = "cuda" if device.is_cuda else "cpu"
+    chunk = config.chunked_prefill_size
+    if chunk is None:
+        chunk = DEFAULT_CHUNKED_PREFILL[kind]
+    piece_tokens = piecewise_max_tokens(config, device, chunk)
+    piece_reserve = piecewise_bytes(piece_tokens) if piece_tokens and piecewise_bytes else 0
     graph_bs = cuda_graph_max_bs(config, device)
-    reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
+    reserve = piece_reserve + (graph_bytes(graph_bs) if graph_bs and graph_bytes else 0)
     # a GPU's total (what others use at start counts inside the share); a CPU's available RAM
     base = device.total_memory if device.is_cuda else device.available_memory
     in_use = device.total_memory - device.available_memory if device.is_cuda else 0
@@ -150,9 +193,6 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
     max_running = config.max_running_requests or default_max_running_requests(total, kind)
     graph_bs = min(graph_bs, max_running)
     reserve = graph_bytes(graph_bs) if graph_bs and graph_bytes else 0
-    chunk = config.chunked_prefill_size
-    if chunk is None:
-        chunk = DEFAULT_CHUNKED_PREFILL[kind]
     return SizingReport(
         device=device.describe(), available_memory_bytes=device.available_memory,
         mem_fraction_static=fraction, weight_bytes=weight_bytes,
@@ -164,6 +204,8 @@ def plan(config, device, weight_bytes: int, kv_bytes_per_token: int, kv_dtype: s
         reference_kv_tokens=(total * kv_bytes_per_token // reference_kv[1]
                              if reference_kv else None),
         cuda_graph_max_bs=graph_bs, cuda_graph_reserve_bytes=reserve,
+        piecewise_cuda_graph_max_tokens=piece_tokens,
+        piecewise_cuda_graph_reserve_bytes=piece_reserve,
         req_to_token_bytes=(max_running + 1) * context * REQ_TO_TOKEN_ITEMSIZE,
         total_memory_bytes=device.total_memory, fraction_base_bytes=base,
         fraction_of=FRACTION_OF[kind],

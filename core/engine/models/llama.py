@@ -56,6 +56,11 @@ class SelfAttention(nn.Module):
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, c.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.output(self.attn(*self.project(x, cos, sin)))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim]: projected and rotated."""
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
@@ -66,8 +71,11 @@ class SelfAttention(nn.Module):
         else:  # q and k side by side in qkv: one rotation for both
             qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [T, heads, head_dim]."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
     # quantized checkpoints may carry KV-cache scales here (vLLM / llm-compressor layout); the
     # runner hands them to the pool when the KV dtype stores scaled values
@@ -113,34 +121,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.after_attention(x, self.self_attn.attn(*self.before_attention(x, cos, sin)))
 
-    def cpu_graph(self, g, bufs: dict, cos_sin: torch.Tensor,
-                  add: torch.Tensor | None) -> torch.Tensor:
-        """Record this layer's decode forward (see LlamaForCausalLM.cpu_graph): ``bufs["h"]``
-        is the residual stream, to which ``add`` (the previous layer's MLP output) is added
-        first; returns this layer's MLP output, for the next one to add."""
-        sa, mlp, b = self.self_attn, self.mlp, bufs
-        H, KVH, D = sa.num_heads, sa.num_kv_heads, sa.head_dim
-        where = f"layer {sa.global_id}"
-        norm = self.input_layernorm
-        g.rmsnorm(b["h"], norm.weight, norm.eps, b["x"], add)
-        qkv = b["qkv"]
-        g.linear(sa.qkv_proj, b["x"], qkv, f"{where}'s qkv_proj")
-        qk_norm = hasattr(sa, "q_norm")
-        g.rope(qkv, H + KVH, D, cos_sin, sa.q_norm.weight if qk_norm else None,
-               sa.k_norm.weight if qk_norm else None, H, sa.q_norm.eps if qk_norm else 0.0)
-        g.attention(sa.attn.layer_id, qkv[:, : H * D], qkv[:, H * D: (H + KVH) * D],
-                    qkv[:, (H + KVH) * D:], b["attn"])
-        g.linear(sa.o_proj, b["attn"], b["o"], f"{where}'s o_proj")
-        norm = self.post_attention_layernorm
-        g.rmsnorm(b["h"], norm.weight, norm.eps, b["x"], b["o"])
-        inter = mlp.gate_up_proj.shard_sizes[0]
-        g.linear(mlp.gate_up_proj, b["x"], b["gate_up"], f"{where}'s gate_up_proj")
-        g.silu_mul(b["gate_up"], inter, b["act"])
-        g.linear(mlp.down_proj, b["act"], b["down"], f"{where}'s down_proj")
-        return b["down"]
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """(q, k, v) of the residual stream ``x`` (the layer up to its attention)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after this layer, from ``x`` and its attention output."""
+        h = x + self.self_attn.output(out)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DecoderModel(nn.Module):
@@ -166,12 +156,18 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              hidden: torch.Tensor | None = None) -> tuple:
+        """(h, cos, sin): the embedded tokens (or ``hidden``) and the rotary tables of their
+        positions, looked up once for all layers."""
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
+        return (h, *self.rotary_emb(positions, h.dtype))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states after the (stage's) layers, before the final norm; ``hidden``: the
         previous pipeline stage's, instead of embedding ``input_ids``."""
-        h = self.embed_tokens(input_ids) if hidden is None else hidden
-        cos, sin = self.rotary_emb(positions, h.dtype)  # looked up once for all layers
+        h, cos, sin = self.embed(input_ids, positions, hidden)
         for layer in (self.layers if self.pp is None else self.layers.values()):
             h = layer(h, cos, sin)
         return h
@@ -185,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         """``tp``: build this rank's shard of every layer; ``pp``: only this pipeline stage's
         part (None, None: the whole model, one process)."""
         super().__init__()
-        self.config, self.pp = config, pp
+        self.config, self.tp, self.pp = config, tp, pp
         self.model = DecoderModel(config, tp, pp)
         if pp is None or pp.is_last:
             self.lm_head = (LMHead(config.hidden_size, config.vocab_size) if tp is None else
@@ -245,32 +241,22 @@ class LlamaForCausalLM(nn.Module):
             h = self.model(batch.input_ids, batch.positions, hidden)
         if pp is not None and not pp.is_last:
             return h
-        if not return_all_logits:
-            h = h[batch.logits_indices]  # the norm is per token, so select before it
+        return self.head(h, None if return_all_logits else batch.logits_indices)
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the final hidden states ``h`` at ``logits_indices`` (None: every row)."""
+        if logits_indices is not None:
+            h = h[logits_indices]  # the norm is per token, so select before it
         return self.lm_head(self.model.norm(h))
 
-    def cpu_graph(self, g) -> torch.Tensor:
-        """Record a decode forward as CPU-graph nodes (engine/cpu_graph: ``g`` is its
-        GraphBuilder): embedding, every layer, the final norm and the LM head, over float32
-        buffers of ``g.max_rows`` rows; returns the logits buffer [max_rows, vocab]. Raises
-        GraphUnsupported for what has no node (tensor or pipeline parallel layers, ...)."""
-        from engine.interfaces import GraphUnsupported
+    def piecewise_parts(self):
+        """The forward cut at attention, for piecewise CUDA graphs (llama_graphs.py)."""
+        from engine.models.llama_graphs import piecewise_parts
 
-        if self.pp is not None or not isinstance(self.model.embed_tokens, Embedding) or \
-                not isinstance(self.lm_head, LMHead):
-            raise GraphUnsupported("tensor- or pipeline-parallel layers")
-        c, m = self.config, self.model
-        sa, mlp = m.layers[0].self_attn, m.layers[0].mlp
-        q, kv = sa.num_heads * sa.head_dim, sa.num_kv_heads * sa.head_dim
-        bufs = {"h": g.buffer(c.hidden_size), "x": g.buffer(c.hidden_size),
-                "qkv": g.buffer(q + 2 * kv), "attn": g.buffer(q), "o": g.buffer(c.hidden_size),
-                "gate_up": g.buffer(mlp.gate_up_proj.out_features),
-                "act": g.buffer(mlp.down_proj.in_features), "down": g.buffer(c.hidden_size)}
-        g.embed(m.embed_tokens.weight, bufs["h"])
-        add = None
-        for layer in m.layers:
-            add = layer.cpu_graph(g, bufs, m.rotary_emb.cos_sin, add)
-        g.rmsnorm(bufs["h"], m.norm.weight, m.norm.eps, bufs["x"], add)
-        logits = g.buffer(c.vocab_size)
-        g.linear(self.lm_head, bufs["x"], logits, "the LM head")
-        return logits
+        return piecewise_parts(self)
+
+    def cpu_graph(self, g) -> torch.Tensor:
+        """Record a decode forward as CPU-graph nodes (llama_graphs.py)."""
+        from engine.models.llama_graphs import record_cpu_graph
+
+        return record_cpu_graph(self, g)
