@@ -8,8 +8,8 @@ from engine import Engine
 from engine.config import ConfigError, EngineConfig
 import numpy as np
 
-from engine.scheduler.adaptive import (MODEL_RISK, AdaptiveRatio, PeakPlan, Rows,
-                                       SurvivalCurve, make_ratio)
+from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, MODEL_RISK, AdaptiveRatio,
+                                       PeakPlan, Rows, SurvivalCurve, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
 
 
@@ -185,20 +185,44 @@ def test_peak_admission_never_admits_past_the_pool_in_expectation(seed):
     assert plan.committed <= pool - sum(r.seq_len for r in running) + 1e-6
 
 
+def early(finished: int) -> float:
+    """The risk a ratio holds after ``finished`` requests and nothing else: MODEL_RISK plus the
+    early risk, halved every EARLY_HALF of them."""
+    return MODEL_RISK + EARLY_RISK * 0.5 ** (finished / EARLY_HALF)
+
+
 def test_a_retraction_raises_the_risk_by_its_cost_and_finishes_bring_it_down():
     ratio = AdaptiveRatio()
     for i in range(20):
         ratio.finished(req(10, 100, arrival=i, reason="stop"))
     running = [req(50, 100, prompt=50) for _ in range(4)]  # 100 tokens each
     base = ratio.risk
-    assert base == pytest.approx(MODEL_RISK)
+    assert base == pytest.approx(early(20))
     old, new = ratio.after_retraction(running, [req(50, 100, prompt=50)])
     assert old == base and new > base
     small_old, small_new = AdaptiveRatio().after_retraction(running, [req(0, 100, prompt=10)])
     assert small_new - small_old < new - old  # a cheaper victim costs less risk
     for i in range(100):  # requests finishing without a retraction: evidence, not seconds
         ratio.finished(req(10, 100, arrival=20 + i, reason="stop"))
-    assert ratio.risk == pytest.approx(base, abs=0.01)
+    assert ratio.risk == pytest.approx(early(120), abs=0.01)
+
+
+def test_before_evidence_auto_holds_back_as_sglangs_schedule_starts():
+    """With nothing finished yet a new request is reserved MODEL_RISK + EARLY_RISK (0.9) of
+    the gap to running to max_new_tokens, about SGLang's starting 0.7 x conservativeness;
+    the early share halves every EARLY_HALF finished requests (evidence, not steps), so a
+    workload that changes after a few dozen short answers finds auto still careful."""
+    ratio = AdaptiveRatio()
+    assert ratio.risk == pytest.approx(MODEL_RISK + EARLY_RISK)
+    reserved = []
+    for n in (0, int(EARLY_HALF), int(4 * EARLY_HALF)):
+        while ratio.finished_count < n:
+            ratio.finished(req(5, 100, arrival=ratio.finished_count, reason="stop"))
+        assert ratio.risk == pytest.approx(early(n))
+        plan = ratio.plan([])
+        reserved.append(plan.reservation(req(0, 100, prompt=10), 10))
+    assert reserved[0] > reserved[1] > reserved[2]
+    assert reserved[2] < 0.4 * reserved[0]  # after 4 x EARLY_HALF, mostly what the curve says
 
 
 def test_requests_outliving_the_curve_lower_its_hazards():

@@ -34,7 +34,11 @@ the predicted *peak* of that usage, with it added, fits the pool:
   what retractions added: each raises it by RETRACT_RISK x the victims' tokens to recompute
   over the mean running request's length, and that comes back down as requests finish
   (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
-  machine; no wall-clock hold).
+  machine; no wall-clock hold); plus, while little has finished, EARLY_RISK halved every
+  EARLY_HALF finished requests: a curve made of a few dozen short answers says nothing about
+  the next requests if the workload changes, and admitting a whole cohort on its word is what
+  retracts: on SmolLM2's "Name k fruits." answers turning from short to 400 tokens after 60
+  requests, 31 retractions of requests 116-391 tokens in, where 1.0 retracted 13; with it, 12.
 - Pacing (peak_plan.py): requests of one length admitted together finish together, and a pool
   filled in lockstep is on average only (prompt + L/2) / (prompt + L) used (0.55 for prompts of
   28 and L = 256), where requests spread over their lifetimes keep it nearly full. Admitting
@@ -73,6 +77,8 @@ RISK_DECAY = 1 / 16  # ... which falls by this share per request that finishes
 CALIBRATION_DECAY = 0.9  # per step with a plan: finishes seen vs predicted, over ~10 steps ...
 CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of each
 HAZARD_MIN = 0.05
+EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
+EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
 # the curve is only its prior
 
@@ -107,6 +113,7 @@ class AdaptiveRatio:
         self._predicted_now: float | None = None  # what this step's plan expects to finish
         self._finished_now = 0
         self.steps = 0  # decode steps (pacing's clock)
+        self.finished_count = 0
 
     @property
     def hazard(self) -> float:
@@ -119,7 +126,8 @@ class AdaptiveRatio:
         """The share of the gap between the curve's expectation and running to max_new_tokens
         reserved as model risk: MODEL_RISK, plus how far the curve over-predicted finishes
         lately (1 - hazard), plus what retractions added."""
-        return min(MODEL_RISK + (1 - self.hazard) + self.retraction_risk, 1.0)
+        early = EARLY_RISK * 0.5 ** (self.finished_count / EARLY_HALF)
+        return min(MODEL_RISK + early + (1 - self.hazard) + self.retraction_risk, 1.0)
 
     # -- the curve ---------------------------------------------------------------------------
     def curve(self, rows: Rows | None = None) -> SurvivalCurve:
@@ -141,6 +149,7 @@ class AdaptiveRatio:
             self.done_share.append(_share(req))
             self.done_arrival.append(req.arrival)
             self._finished_now += req.finish_reason == "stop"  # "length" was certain
+            self.finished_count += 1
             self.retraction_risk *= 1 - RISK_DECAY
 
     # -- z -----------------------------------------------------------------------------------
