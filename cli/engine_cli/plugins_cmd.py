@@ -18,6 +18,9 @@ SECTIONS = (
     ("parallel", "Parallel strategies"),
     ("routing", "Routing policies (--dp-size)"),
     ("grammar", "Grammar backends (--grammar-backend)"),
+    ("speculative", "Speculative algorithms (--speculative-algorithm)"),
+    ("tool_parsers", "Tool-call parsers (--tool-call-parser)"),
+    ("reasoning_parsers", "Reasoning parsers (--reasoning-parser)"),
     ("models", "Model architectures"),
 )
 

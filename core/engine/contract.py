@@ -42,6 +42,8 @@ HOOK_REGISTRY = {
     "register_parallel_strategies": "parallel", "register_models": "models",
     "register_routing_policies": "routing", "register_grammar_backends": "grammar",
     "register_linear_kernels": "linear_kernels",
+    "register_speculative_algorithms": "speculative", "register_tool_parsers": "tool_parsers",
+    "register_reasoning_parsers": "reasoning_parsers",
 }
 
 

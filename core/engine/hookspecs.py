@@ -14,9 +14,10 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
-ENGINE_HOOKS_VERSION = "1.3"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
+ENGINE_HOOKS_VERSION = "1.4"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
 # 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h),
-# register_linear_kernels(activations=), QuantMethod.gguf_blocks / block_activations
+# register_linear_kernels(activations=), QuantMethod.gguf_blocks / block_activations;
+# 1.4: register_speculative_algorithms, register_tool_parsers, register_reasoning_parsers
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.
@@ -99,6 +100,28 @@ def register_linear_kernels(register):
     machine. ``prepack_linears`` gives the layers, for the weight dtype the model runs with,
     the usable kernel with the highest ``priority`` (``ENGINE_LINEAR_KERNEL=NAME`` forces one,
     ``=torch`` keeps the core's oneDNN/fbgemm/F.linear paths); none usable: the core's own."""
+
+
+@hookspec
+def register_speculative_algorithms(register):
+    """Register speculative-decoding drafters for ``--speculative-algorithm`` (contract 1.4):
+    ``register(name, factory, *, check=None, description="")``; ``factory(ctx) -> Drafter``
+    (:class:`engine.interfaces.Drafter`; ``ctx`` an :class:`engine.interfaces.DraftContext`).
+    A drafter only proposes tokens; the core verifies them in one target forward and keeps
+    the outputs identical to decoding without speculation."""
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register ``--tool-call-parser`` parsers (contract 1.4): ``register(name, factory, *,
+    aliases=(), description="")``; ``factory() -> ToolParser`` (one per request: it keeps
+    the state of a streamed response)."""
+
+
+@hookspec
+def register_reasoning_parsers(register):
+    """Register ``--reasoning-parser`` parsers (contract 1.4): ``register(name, factory, *,
+    aliases=(), description="")``; ``factory() -> ReasoningParser`` (one per request)."""
 
 
 @hookspec

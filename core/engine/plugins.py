@@ -150,6 +150,17 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
     def model(arch, cls):
         add(regs.models, "models", arch, cls)
 
+    def speculative(name, factory, *, check=None, description=""):
+        add(regs.speculative, "speculative", name, factory, check, description=description)
+
+    def tool_parser(name, factory, *, aliases=(), description=""):
+        add(regs.tool_parsers, "tool_parsers", name, factory, None, aliases,
+            description=description)
+
+    def reasoning_parser(name, factory, *, aliases=(), description=""):
+        add(regs.reasoning_parsers, "reasoning_parsers", name, factory, None, aliases,
+            description=description)
+
     def serve_option(option):
         regs.serve_options.append((info.name, option))
         info.registered.setdefault("serve_options", []).append(option.flag)
@@ -160,6 +171,8 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         "register_parallel_strategies": parallel, "register_models": model,
         "register_serve_options": serve_option, "register_routing_policies": routing,
         "register_grammar_backends": grammar, "register_linear_kernels": linear_kernel,
+        "register_speculative_algorithms": speculative, "register_tool_parsers": tool_parser,
+        "register_reasoning_parsers": reasoning_parser,
     }[hook]
 
 
@@ -167,7 +180,8 @@ REGISTRATION_HOOKS = (
     "register_kv_cache_dtypes", "register_attention_backends", "register_quantization_methods",
     "register_schedule_policies", "register_parallel_strategies", "register_models",
     "register_serve_options", "register_routing_policies", "register_grammar_backends",
-    "register_linear_kernels",
+    "register_linear_kernels", "register_speculative_algorithms", "register_tool_parsers",
+    "register_reasoning_parsers",
 )
 
 

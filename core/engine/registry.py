@@ -110,13 +110,18 @@ class Registries:
     routing: Registry = field(default_factory=lambda: Registry("routing policy"))
     grammar: Registry = field(default_factory=lambda: Registry("grammar backend"))
     linear_kernels: Registry = field(default_factory=lambda: Registry("linear kernel"))
+    speculative: Registry = field(default_factory=lambda: Registry("speculative algorithm"))
+    tool_parsers: Registry = field(default_factory=lambda: Registry("tool-call parser"))
+    reasoning_parsers: Registry = field(default_factory=lambda: Registry("reasoning parser"))
     serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
 
     def all(self) -> dict[str, Registry]:
         return {"attention": self.attention, "kv_dtypes": self.kv_dtypes,
                 "quantization": self.quantization, "policies": self.policies,
                 "parallel": self.parallel, "models": self.models, "routing": self.routing,
-                "grammar": self.grammar, "linear_kernels": self.linear_kernels}
+                "grammar": self.grammar, "linear_kernels": self.linear_kernels,
+                "speculative": self.speculative, "tool_parsers": self.tool_parsers,
+                "reasoning_parsers": self.reasoning_parsers}
 
 
 def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
