@@ -91,6 +91,35 @@ def test_float16_weights_graph_matches_eager(case, tiny_model_factory, registrie
         assert out == ref[0, len(p):].tolist()
 
 
+def test_small_prompt_and_mixed_steps_run_in_the_graph(tiny_model_factory, registries,
+                                                      cpu_device):
+    """A step of at most max_rows tokens that is not a decode (prompt chunks, after a cached
+    prefix, next to decodes: each token a row with its own length) gives the eager forward's
+    logits, every position's too (prompt logprobs)."""
+    r = cpu_runner(tiny_model_factory("qwen3_qk_norm"), registries, cpu_device, max_rows=32)
+    graph, pool = r.cpu_graph, r.kv_pool
+    rows = [pool.alloc_req() for _ in range(3)]
+    steps = [  # (new tokens per request, tokens already in the pool per request)
+        ([[5, 9, 14, 3, 77], [8, 2, 91], [4] * 9], [0, 0, 0]),  # EXTEND
+        ([[12], [33, 34, 35, 36], [7]], [5, 3, 9]),  # MIXED: a chunk next to decodes
+    ]
+    for new, lens in steps:
+        locs = torch.cat([pool.extend_slots(q, n, len(x)) for q, n, x in zip(rows, lens, new)])
+        batch = ForwardBatch.build(new, lens, rows, locs, pool.req_to_token)
+        assert graph.can_run(batch)
+        for every in (False, True):
+            r.cpu_graph = None
+            eager = r.forward(batch, return_all_logits=every).clone()
+            r.cpu_graph = graph
+            before = graph.replays
+            got = r.forward(batch, return_all_logits=every).clone()
+            assert graph.replays == before + 1 and got.shape == eager.shape
+            scale = max(1.0, eager.abs().max().item())
+            assert (got - eager).abs().max().item() <= 1e-4 * scale
+    big = ForwardBatch.build([[3] * 40], [0], [pool.alloc_req()], None, pool.req_to_token)
+    assert not graph.can_run(big)  # 40 tokens > 32 rows: eager
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_graph_matches_eager(qtype, tiny_gguf_factory, registries, cpu_device):
     """A GGUF's blocks as they are (weight-only: the Q4_1 block sums run as a prep node)."""
@@ -132,7 +161,7 @@ def test_start_line_says_on_or_why_off(tiny_gguf_factory, tiny_model_factory, ca
     caplog.set_level(logging.INFO, logger="engine")
     gguf = tiny_gguf_factory("llama", "Q8_0")
     on = engine(gguf)
-    assert on.cpu_graph.startswith("cpu graph: on, decode batches of up to 64 requests (")
+    assert on.cpu_graph.startswith("cpu graph: on, steps of up to 64 tokens (")
     assert on.cpu_graph in caplog.text
     assert engine(gguf, disable_cpu_graph=True).cpu_graph == \
         "cpu graph: off (--disable-cpu-graph)"

@@ -189,10 +189,11 @@ ENGINE_OPTIONS = [
                  help="The largest token count captured as piecewise CUDA graphs (at most the "
                       "chunked prefill size); bigger batches run eagerly."),
     click.option("--cpu-graph-max-bs", default=_D.cpu_graph_max_bs, type=int,
-                 help="On a CPU, decode batches of up to this many requests replay the CPU "
-                      "graph (the forward recorded once as C nodes: one call a step)."),
+                 help="On a CPU, steps of up to this many tokens (decodes, small prompts and "
+                      "extends) replay the CPU graph (the forward recorded once as C nodes: "
+                      "one call a step)."),
     click.option("--disable-cpu-graph", is_flag=True,
-                 help="On a CPU, run every decode step eagerly (torch ops), no CPU graph."),
+                 help="On a CPU, run every step eagerly (torch ops), no CPU graph."),
     # vLLM's spellings of the same knobs (both spellings with different values: an error)
     click.option("--gpu-memory-utilization", type=float,
                  help="vLLM's name for --mem-fraction-static."),

@@ -62,7 +62,7 @@ class EngineConfig:
     enable_piecewise_cuda_graph: bool = False
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
-    # CPU graphs for decode batches of up to cpu_graph_max_bs requests (engine/cpu_graph)
+    # CPU graphs for steps of up to cpu_graph_max_bs tokens (engine/cpu_graph)
     cpu_graph_max_bs: int = 64
     disable_cpu_graph: bool = False
     # parallelism: tp_size x pp_size ranks (worker processes; engine/ranks), over nnodes

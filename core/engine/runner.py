@@ -201,8 +201,8 @@ class ModelRunner:
             with torch.inference_mode():
                 return pieces.replay(batch, return_all_logits).float()
         cpu_graph = self.cpu_graph
-        if cpu_graph is not None and not return_all_logits and cpu_graph.can_run(batch):
-            return cpu_graph.replay(batch)
+        if cpu_graph is not None and cpu_graph.can_run(batch):
+            return cpu_graph.replay(batch, return_all_logits)
         stage = {} if self.pp is None else {"hidden": hidden}
         with torch.inference_mode():
             self.backend.init_forward_metadata(batch)

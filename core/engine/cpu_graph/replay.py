@@ -7,8 +7,9 @@ the same computation as one call into C: the model's ``cpu_graph(builder)`` reco
 forward as nodes over fixed float32 buffers of ``max_rows`` rows (engine/cpu_graph/builder.py)
 and a replay hands the step's tokens, positions, slots and request rows to the executor
 (graph.c), which runs every node on torch's threads in one OpenMP region. No padding: a step
-of b <= max_rows rows runs b rows. Prompts, mixed steps, bigger batches and steps that need
-every position's logits run eagerly."""
+of b <= max_rows rows runs b rows. A step of at most max_rows tokens that is not a decode (a
+small prompt chunk, draft tokens to verify) runs in it too, one row per token; bigger ones run
+eagerly."""
 
 from __future__ import annotations
 
@@ -77,23 +78,35 @@ class CpuGraphRunner:
         return sorted(((k, s, n) for k, (s, n) in totals.items()), key=lambda r: -r[1])
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_rows
+        """Any batch of at most max_rows tokens: decode steps, and small prompt chunks or
+        draft tokens to verify next to them (one graph row per token)."""
+        return batch.num_tokens <= self.max_rows
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [b, V] of the decode ``batch`` (a view of the graph's buffer: valid
-        until the next replay)."""
-        b = batch.batch_size
-        ids, pos, loc = batch.input_ids, batch.positions, batch.out_cache_loc
-        rows, lens, table = batch.req_pool_indices, batch.seq_lens, batch.req_to_token
-        for t in (ids, pos, loc, rows, lens):
-            if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+    def replay(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """float32 logits of ``batch``: [B, V] at each request's last new token, or [T, V] at
+        every token with ``return_all_logits`` (a view of the graph's buffer where it can be:
+        valid until the next replay). Each token is a row of the graph, attending to the first
+        position + 1 slots of its request's row of the table."""
+        t = batch.num_tokens
+        ids, pos, loc, table = batch.input_ids, batch.positions, batch.out_cache_loc, \
+            batch.req_to_token
+        decode = batch.mode == ForwardMode.DECODE
+        if decode:  # one token per request: the batch's own columns
+            rows, lens = batch.req_pool_indices, batch.seq_lens
+        else:  # a request's tokens each see the keys up to their own position
+            rows = batch.req_pool_indices.repeat_interleave(batch.extend_lens, output_size=t)
+            lens = pos + 1
+        for x in (ids, pos, loc, rows, lens):
+            if x.dtype != torch.int64 or not x.is_contiguous() or x.device.type != "cpu":
                 raise ValueError(f"a CPU graph step takes contiguous int64 CPU tensors, got "
-                                 f"{t.dtype} on {t.device}")
-        self.lib.ek_graph_run(self.graph, torch.get_num_threads(), b, ids.data_ptr(),
+                                 f"{x.dtype} on {x.device}")
+        self.lib.ek_graph_run(self.graph, torch.get_num_threads(), t, ids.data_ptr(),
                               pos.data_ptr(), loc.data_ptr(), rows.data_ptr(), lens.data_ptr(),
                               table.data_ptr(), table.stride(0))
         self.replays += 1
-        return self.logits[:b]
+        if decode or return_all_logits:
+            return self.logits[:t]
+        return self.logits[batch.logits_indices]
 
 
 def off_reason(runner, config, device) -> str | None:
@@ -132,6 +145,6 @@ def build_cpu_graph(runner, config, device) -> str:
             reason = str(e)
     if reason is not None:
         return f"cpu graph: off ({reason})"
-    return (f"cpu graph: on, decode batches of up to {graph.max_rows} requests "
+    return (f"cpu graph: on, steps of up to {graph.max_rows} tokens "
             f"({graph.num_nodes} nodes, {graph.buffer_bytes / 2**20:.1f} MiB of buffers, "
             f"recorded in {graph.seconds:.2f} s)")

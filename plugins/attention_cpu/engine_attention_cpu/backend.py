@@ -49,10 +49,12 @@ class CPUBackend(TorchNativeBackend):
 
     def cpu_graph_nodes(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, max_rows: int) -> list:
-        """Two CPU-graph nodes per layer (engine.cpu_graph): each decode row's K and V stored
-        at its slot as ``KVDtype.store`` stores them (a cast, or scaled and clamped) and the
-        kernel's attention over the step's rows; then the merge of the requests whose keys
-        were split between threads. Every layer's nodes share one scratch for the split."""
+        """Three CPU-graph nodes per layer (engine.cpu_graph): every row's K and V stored at
+        its slot as ``KVDtype.store`` stores them (a cast, or scaled and clamped); then the
+        kernel's attention of each row over the first ``seq_lens[row]`` slots of its request
+        (a request may have several rows: one per token, each with its own length); then the
+        merge of the rows whose keys were split between threads. Every layer's nodes share
+        one scratch for the split."""
         import ctypes
 
         from engine.cpu_graph import CArgs, GraphNode, GraphUnsupported
@@ -87,5 +89,6 @@ class CPUBackend(TorchNativeBackend):
             return GraphNode(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value, args,
                              f"{name} layer {layer_id}", keep)
 
-        return [node("ek_attention_node", "attention"),
+        return [node("ek_attention_store_node", "attention store"),
+                node("ek_attention_node", "attention"),
                 node("ek_attention_merge_node", "attention merge")]

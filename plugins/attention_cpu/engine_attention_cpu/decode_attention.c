@@ -59,7 +59,7 @@ static inline float f16_to_f32(uint16_t h) {  /* IEEE half -> float, with no com
 /* ---------------------------------------------------------------- CPU graph node */
 
 /* float32 -> bfloat16 / float16 bits, rounded to nearest even as torch rounds (integer
- * arithmetic only: this file is built with -ffast-math) */
+ * arithmetic only) */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
@@ -369,9 +369,8 @@ static void finish(const float *l, const float *acc, int64_t H, int64_t D, float
     }
 }
 
-__attribute__((optimize("no-fast-math"))) static void store(void *pool, int dtype, int64_t off,
-                                                             const float *x, int64_t n,
-                                                             int scaled, float scale);
+static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n, int scaled,
+                  float scale);
 
 /* the vector path where the head dim allows it */
 static inline void attend(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
@@ -507,8 +506,8 @@ typedef struct {
 
 /* n values into the pool at element offset off, as KVDtype.store does: a cast, or with
  * `scaled` value / scale clamped to the storage dtype's finite range first (a true division,
- * as torch divides: not the reciprocal -ffast-math would multiply by) */
-__attribute__((optimize("no-fast-math"))) static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n, int scaled,
+ * as torch divides) */
+static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n, int scaled,
                   float scale) {
     const float fmax = dtype == F32 ? 3.40282347e38f : dtype == BF16 ? 3.38953139e38f : 65504.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -555,10 +554,29 @@ static prob_t step_problem(const attn_node_args *a, const ek_step_t *s) {
     return p;
 }
 
-/* the new K/V stored and every item attended (phase 1) ... */
+/* Every row's new K and V stored at its slot first (rows split over the threads), so that a
+ * request with several rows this step (a prompt chunk, draft tokens to verify: one row per
+ * token, each with its own length) finds all of them when it attends, after the barrier ... */
+void ek_attention_store_node(const void *a_, const ek_step_t *s, int tid, int nth) {
+    const attn_node_args *a = a_;
+    const prob_t *p = &a->p;
+    const int64_t row = p->KVH * p->D;
+    int64_t r0, r1;
+    ek_split(s->rows, tid, nth, &r0, &r1);
+    for (int64_t b = r0; b < r1; b++) {
+        const int64_t off = s->out_cache_loc[b] * row;
+        store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row, p->scaled,
+              p->k_scale);
+        store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row, p->scaled,
+              p->v_scale);
+    }
+}
+
+/* ... then every item attended (phase 1) ... */
 void ek_attention_node(const void *a_, const ek_step_t *s, int tid, int nth) {
     attn_node_args *a = (attn_node_args *)a_;
-    const prob_t p = step_problem(a, s);
+    prob_t p = step_problem(a, s);
+    p.k_new = p.v_new = NULL; /* stored by the node before */
     attend_items(&p, chunk_size(&p, nth), &a->next, s, tid, nth);
 }
 

@@ -18,7 +18,12 @@ from engine.native import BuildError as KernelUnavailable  # noqa: F401 - this p
 from engine.native import build_library, cpu_flags
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# not -ffast-math: linked into a shared object it brings crtfastmath, whose constructor turns on
+# flush-to-zero for the thread that loads the library (and threads it starts), changing torch's
+# own float results there; and its finite-math assumption would break the -INFINITY the
+# softmax starts from. The reassociation the reductions need, without either:
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+         "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 

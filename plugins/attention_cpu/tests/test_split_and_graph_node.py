@@ -117,3 +117,18 @@ def test_graph_node_stores_as_the_kv_dtype_does(dtype, scaled):
                             pool.k_buffer[0], pool.v_buffer[0], pool.req_to_token, i64(row),
                             lens, None, 0.25, pool.k_scale[0], pool.v_scale[0])
     assert torch.allclose(out[0].view(H, D), ref[0], atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """The library is built without -ffast-math: linked into a shared object, that flag brings
+    crtfastmath, which turns on flush-to-zero for the thread that loads it, and torch's own
+    results there then lose their subnormals (and differ from other threads')."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom engine_attention_cpu import kernel\nkernel.load()\n"
+            "x = torch.tensor([1e-40], dtype=torch.float32)\n"
+            "print((x * 1.0).item() != 0.0, (x / 2).item() != 0.0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
