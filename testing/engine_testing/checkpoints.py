@@ -25,6 +25,7 @@ CORPUS_MODULES = ("os", "json", "re", "collections", "functools", "itertools",
 CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
 }
 
 
@@ -86,14 +87,35 @@ TINY_CASES = {
         "original_max_position_embeddings": 64}}),
 }
 
+# the mixture-of-experts cases (engine/models/moe.py), with their awkward corners: dense layers
+# by decoder_sparse_step and by mlp_only_layers, top-k weights renormalized or not, an odd k,
+# Mixtral's top-2 with a sliding window. Kept apart from TINY_CASES, whose tests also take
+# every case through the piecewise CUDA graphs, which MoE models refuse (tests/test_moe*.py
+# take these through the same HF comparisons and the engine's whole path);
+# ``tiny_model_factory(arch, **overrides)`` builds one.
+MOE_CASES = {
+    # 3 layers: 0 and 2 sparse, 1 dense (mlp_only_layers); top-3 of 8, renormalized
+    "qwen3_moe_mlp_only": ("Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 3, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+        "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": True}),
+    # 4 layers: 1 and 3 sparse, 0 and 2 dense (decoder_sparse_step 2); top-4 of 8, raw weights
+    "qwen3_moe_sparse_step": ("Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 8,
+        "num_experts_per_tok": 4, "norm_topk_prob": False}),
+    "mixtral_window": ("MixtralForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 16}),
+}
+
 
 def tiny_config_kwargs(arch: str, vocab_size: int = 512) -> dict:
     kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, initializer_range=0.08, rms_norm_eps=1e-6,
               bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         kw["head_dim"] = 48  # != hidden/heads, as in real Qwen3 checkpoints
+    if arch == "Qwen3MoeForCausalLM":
+        kw["moe_intermediate_size"] = 64  # the experts' (the dense layers': intermediate_size)
     return kw
 
 

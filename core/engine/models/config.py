@@ -1,4 +1,5 @@
-"""ModelConfig: the fields of a Hugging Face config.json that the Llama family needs."""
+"""ModelConfig: the fields of a Hugging Face config.json that the Llama family and its
+mixture-of-experts relatives (Qwen3-MoE, Mixtral) need."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from engine.interfaces import AttentionLayerSpec
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 # architectures whose attention projections always carry a bias, whatever attention_bias says
 QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
-QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# mixture-of-experts architectures (models/moe.py); their HF routing differs in two points:
+# whether the top-k weights are renormalized (Mixtral: always) and in which dtype they weight
+# the experts' outputs (Qwen3-MoE casts them to the model's dtype, Mixtral keeps float32)
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 # fmt: off
@@ -39,8 +44,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None          # the checkpoint's dtype name, e.g. "bfloat16"
+    # mixture of experts (MOE_ARCHS; num_experts 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0            # top-k experts per token
+    moe_intermediate_size: int = 0          # one expert's intermediate size
+    norm_topk_prob: bool = False            # renormalize the top-k weights to sum to 1
+    decoder_sparse_step: int = 1            # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()   # ... and it is not listed here (dense MLP)
     hf_config: dict = field(default_factory=dict, repr=False)
 # fmt: on
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` routes tokens to experts (else it has the dense MLP), as
+        transformers' Qwen3-MoE decides it (Mixtral: every layer)."""
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and \
+            (layer + 1) % self.decoder_sparse_step == 0
 
     def layer_specs(self) -> list[AttentionLayerSpec]:
         windowed = set(self.sliding_window_layers)
@@ -102,14 +120,15 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             hf_config=hf,
+            **_moe(hf, arch, layers, source),
         )
 
 
 def _sliding_window(hf: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """Which layers attend through a window, as transformers decides it."""
     window = hf.get("sliding_window")
-    if arch == "MistralForCausalLM":
-        # transformers' Mistral passes config.sliding_window to every layer
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        # transformers' Mistral (and Mixtral) passes config.sliding_window to every layer
         return (window, tuple(range(num_layers))) if window else (None, ())
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         # transformers drops the window unless use_sliding_window, then derives layer_types
@@ -123,7 +142,40 @@ def _sliding_window(hf: dict, arch: str, num_layers: int) -> tuple[int | None, t
                      for i in range(num_layers)]
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         return (window, layers) if layers else (None, ())
+    if arch == "Qwen3MoeForCausalLM":  # every layer, when use_sliding_window
+        use = hf.get("use_sliding_window", False) and window
+        return (window, tuple(range(num_layers))) if use else (None, ())
     return None, ()  # transformers' Llama has no sliding window
+
+
+def _moe(hf: dict, arch: str, num_layers: int, source: str) -> dict:
+    """The mixture-of-experts fields of an MOE_ARCHS config (router aux-loss fields are
+    training's and ignored)."""
+    if arch not in MOE_ARCHS:
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (Mixtral's name)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size
+        fields = dict(moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    else:
+        step = hf.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            raise EngineError(f"decoder_sparse_step is {step!r} in {source}; it must be an "
+                              f"integer >= 1.")
+        fields = dict(moe_intermediate_size=hf.get("moe_intermediate_size"),
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                      decoder_sparse_step=step,
+                      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+    if experts and (not top_k or not 0 < top_k <= experts or not fields["moe_intermediate_size"]):
+        raise EngineError(f"{source} gives {experts} experts, num_experts_per_tok {top_k!r} and "
+                          f"an expert intermediate size {fields['moe_intermediate_size']!r}: "
+                          f"expected 1 <= num_experts_per_tok <= the experts and a size.")
+    bad = [i for i in fields.get("mlp_only_layers", ()) if not 0 <= i < num_layers]
+    if bad:
+        raise EngineError(f"mlp_only_layers lists {bad} in {source}: the model has layers "
+                          f"0..{num_layers - 1}.")
+    return dict(num_experts=experts or 0, num_experts_per_tok=top_k or 0, **fields)
 
 
 def _rope(hf: dict, source: str) -> tuple[float, dict | None]:

@@ -118,7 +118,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_id, tp, global_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.ffn_name, ffn = self.feed_forward(config, tp,
+                                               layer_id if global_id is None else global_id)
+        setattr(self, self.ffn_name, ffn)
+
+    def feed_forward(self, config: ModelConfig, tp: TPGroup | None,
+                     global_id: int) -> tuple[str, nn.Module]:
+        """(the checkpoint's name, the module) of layer ``global_id``'s feed-forward block:
+        the dense MLP here; an MoE layer's sparse block in models/moe.py."""
+        return "mlp", MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.after_attention(x, self.self_attn.attn(*self.before_attention(x, cos, sin)))
@@ -130,12 +138,12 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The residual stream after this layer, from ``x`` and its attention output."""
         h = x + self.self_attn.output(out)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + getattr(self, self.ffn_name)(self.post_attention_layernorm(h))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
-                 pp: PPStage | None = None):
+                 pp: PPStage | None = None, layer_cls: type = DecoderLayer):
         super().__init__()
         self.pp = pp
         if pp is not None and not 0 <= pp.start < pp.end <= config.num_layers:
@@ -146,10 +154,10 @@ class DecoderModel(nn.Module):
                                  else VocabParallelEmbedding(config.vocab_size,
                                                              config.hidden_size, tp))
         if pp is None:
-            self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
+            self.layers = nn.ModuleList(layer_cls(config, i, tp)
                                         for i in range(config.num_layers))
         else:  # named by the global index (checkpoint names), numbered locally in the KV pool
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i - pp.start, tp, i)
+            self.layers = nn.ModuleDict({str(i): layer_cls(config, i - pp.start, tp, i)
                                          for i in range(pp.start, pp.end)})
         if pp is None or pp.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -175,6 +183,7 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_pp = True  # load_model refuses --pp-size for a model class without it
+    layer_cls = DecoderLayer  # models/moe.py's MoE models: one whose layers may be sparse
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
                  pp: PPStage | None = None):
@@ -182,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         part (None, None: the whole model, one process)."""
         super().__init__()
         self.config, self.tp, self.pp = config, tp, pp
-        self.model = DecoderModel(config, tp, pp)
+        self.model = DecoderModel(config, tp, pp, self.layer_cls)
         if pp is None or pp.is_last:
             self.lm_head = (LMHead(config.hidden_size, config.vocab_size) if tp is None else
                             ParallelLMHead(config.hidden_size, config.vocab_size, tp))

@@ -1,0 +1,116 @@
+"""A mixture-of-experts feed-forward block (Qwen3-MoE's and Mixtral's sparse layers).
+
+A router (``Router``: logits over the experts) picks each token's top-k experts; the (token,
+expert) pairs are sorted by expert, so each active expert's tokens are contiguous rows, and
+each active expert runs its SwiGLU MLP on its rows alone: one GEMM for gate and up packed
+together (a ``MergedLinear``, as a dense MLP's), one for down. The outputs are weighted by the
+routing weights, put back in token order and summed over each token's k experts.
+
+The experts' projections are the engine's ``Linear``/``MergedLinear``, so everything that
+applies to a dense layer's linears applies to theirs: oneDNN prepacking, fbgemm's float16
+weights, a plugin's linear kernel (``prepack_linears``), and a quantization method's swap
+(``swap_quantizable``: each expert's projections become the method's quantized layers). The
+router stays float: a plain weight through ``F.linear`` (E rows, negligible work), exactly as
+transformers computes the logits, so that near-tied top-k choices fall the same way.
+
+Numerics follow transformers (its default ``grouped_mm`` experts path): softmax in float32,
+top-k of the probabilities, optional renormalization in float32, the weights cast to the
+model's dtype (Qwen3-MoE) or left in float32 (Mixtral, ``float32_weights``), each expert's
+output times its weight, summed over the k experts in top-k order, cast to the model's dtype.
+
+The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
+once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
+``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import Linear, MergedLinear
+
+
+class Router(nn.Module):
+    """The gate: ``weight`` [experts, hidden] -> router logits [T, experts]."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in ``weight_dtype``, expert ids [T, k]) of router ``logits`` [T, E]:
+    the top-k softmax probabilities (float32), renormalized to sum to 1 if asked."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weight_dtype), ids
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU MLP, its projections named as the checkpoint names them (Qwen3-MoE:
+    gate_proj, up_proj, down_proj; Mixtral: w1, w3, w2): gate and up are one packed
+    projection (``gate_up_proj``, whose shards load the checkpoint's two tensors)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gate: str = "gate_proj",
+                 up: str = "up_proj", down: str = "down_proj"):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {gate: intermediate_size,
+                                                       up: intermediate_size})
+        self.down_name = down
+        setattr(self, down, Linear(intermediate_size, hidden_size))
+
+    @property
+    def down(self) -> nn.Module:
+        """The down projection, whatever its name."""
+        return self._modules[self.down_name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """``gate`` (the router) and ``experts`` (a list of ``Expert``), as the checkpoints name
+    them; ``forward`` x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                                                                     "down_proj"),
+                 float32_weights: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.float32_weights = renormalize, float32_weights
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, *names)
+                                     for _ in range(num_experts))
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, k = x.shape[0], self.top_k
+        weights, ids = route(self.gate(x), k, self.renormalize,
+                             torch.float32 if self.float32_weights else x.dtype)
+        flat = ids.reshape(-1)  # [T * k] (token, expert) pairs, token-major
+        order = torch.sort(flat, stable=True).indices  # grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[order // k]  # each pair's token row, in expert order
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                out[start:start + n] = expert(rows[start:start + n])
+                start += n
+        weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
+        pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)  # token-major again
+        return pairs.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"renormalize={self.renormalize}, float32_weights={self.float32_weights}")
