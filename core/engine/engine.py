@@ -45,13 +45,16 @@ class Engine:
         from engine.models.dtype import resolve_dtype
         from engine.registry import (default_page_size, resolve_attention_backend,
                                      resolve_grammar_backend, resolve_kv_dtype,
-                                     resolve_parallel_strategy, resolve_policy,
-                                     resolve_quantization)
+                                     resolve_parallel_strategy, resolve_parser,
+                                     resolve_policy, resolve_quantization)
 
         config = self.config
         policy_entry = resolve_policy(regs, config.schedule_policy)
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         self.grammar_entry = resolve_grammar_backend(regs, config.grammar_backend)
+        # the chat route's parsers (engine.server.tool_choice): entries whose obj makes one
+        self.tool_parser = resolve_parser(regs.tool_parsers, config.tool_call_parser)
+        self.reasoning_parser = resolve_parser(regs.reasoning_parsers, config.reasoning_parser)
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)

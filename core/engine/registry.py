@@ -19,8 +19,8 @@ __all__ = [
     "EngineError", "Entry", "IncompatibleOptions", "NoBackendAvailable", "NotImplementedYet",
     "Registries", "Registry", "UnknownAttentionBackend", "UnknownName", "backend_kv_dtypes",
     "default_page_size", "resolve_attention_backend", "resolve_grammar_backend",
-    "resolve_kv_dtype", "resolve_linear_kernel", "resolve_parallel_strategy", "resolve_policy",
-    "resolve_quantization", "takes_dtype", "takes_page_size",
+    "resolve_kv_dtype", "resolve_linear_kernel", "resolve_parallel_strategy", "resolve_parser",
+    "resolve_policy", "resolve_quantization", "takes_dtype", "takes_page_size",
 ]
 
 
@@ -271,6 +271,17 @@ def resolve_grammar_backend(regs: Registries, name: str) -> Entry | None:
             f"grammar backend '{entry.name}' ({entry.origin}) is installed but unusable here: "
             f"{reason}. Usable: {', '.join(usable) or 'none'} (or --grammar-backend none).")
     return entry
+
+
+def resolve_parser(registry: Registry, name: str | None) -> Entry | None:
+    """``--tool-call-parser`` / ``--reasoning-parser`` (``registry`` is the registries' tool
+    or reasoning parsers): None when not given; an unknown name lists the installed ones."""
+    if not name:
+        return None
+    if not len(registry):
+        raise UnknownName(f"No {registry.kind} is installed, so '{name}' cannot be used. "
+                          f"Install them: pip install ./plugins/parsers (or engine-parsers).")
+    return registry.get(name)
 
 
 def resolve_linear_kernel(regs: Registries, weight_dtype: str, device,
