@@ -99,10 +99,47 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI: a JSON object's text
+
+
+class MessageToolCall(Body):
+    """A call an earlier assistant message made (sent back with the tools' results)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # assistant (templates that show past reasoning)
+
+
+class FunctionDefinition(Body):
+    name: NonEmpty
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: NonEmpty
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,6 +154,13 @@ class ChatCompletionRequest(SamplingFields):
     # --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # tools (engine.server.tool_choice): offered to the template; called when the model writes
+    # a call (auto: --tool-call-parser reads it) or the grammar makes it (required, a name)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # SGLang's: reasoning as reasoning_content (with --reasoning-parser), or left in content
+    separate_reasoning: bool = True
 
 
 class GenerateSamplingParams(Body):
@@ -210,9 +254,22 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -10,8 +10,8 @@ Of ``chat_template_kwargs`` only the variables the template refers to are passed
 
 A render over its budget (time, or the characters rendered) raises ``ChatTemplateError`` naming
 the limit (``limit`` is "time" or "size"), which the chat route turns into a 400. Renders get
-the variables transformers' ``apply_chat_template`` gives (the messages, ``tools`` and
-``documents`` None, ``add_generation_prompt``, the tokenizer's special tokens, then the
+the variables transformers' ``apply_chat_template`` gives (the messages, the request's
+``tools`` (None without), ``documents`` None, ``add_generation_prompt``, the tokenizer's special tokens, then the
 kwargs), so the model's template renders what it renders there.
 """
 
@@ -69,9 +69,11 @@ class ChatTemplates:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                template: str | None = None, kwargs: dict | None = None,
-               timeout_s: float | None = None, max_chars: int | None = None) -> str:
+               timeout_s: float | None = None, max_chars: int | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text; ChatTemplateError (a 400) when the template cannot render it or
-        goes over its time or size budget."""
+        goes over its time or size budget. ``tools``: the request's (OpenAI's form, which is
+        transformers' ``tools=``)."""
         kwargs = dict(kwargs or {})
         template = template if template is not None else kwargs.pop("chat_template", None)
         kwargs.pop("chat_template", None)
@@ -91,7 +93,7 @@ class ChatTemplates:
         if dropped:
             logger.warning(f"chat_template_kwargs: dropped {', '.join(dropped)} (the chat "
                            f"template does not use them)")
-        context = {"messages": messages, "tools": None, "documents": None,
+        context = {"messages": messages, "tools": tools, "documents": None,
                    "add_generation_prompt": add_generation_prompt,
                    **self._special_tokens(),
                    **{k: v for k, v in kwargs.items() if k not in dropped}}
