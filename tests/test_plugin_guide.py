@@ -275,6 +275,37 @@ def exercise_linear_kernel(module, cpu_device, tiny_model_factory):
     assert (ours - core).abs().max() <= 0.03 * max(1.0, core.abs().max().item())
 
 
+def exercise_tool_parser(module, cpu_device, tiny_model_factory):
+    """Streamed in every split and read whole, the calls and the content are the same; a
+    malformed call is content."""
+    from engine.parsers import ToolCalls
+
+    _, regs = registries_with(module)
+    factory = regs.tool_parsers.get("xml_call").obj
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    text = 'Hi <call name="f">{"a": 1}</call> <call name="g">{}</call>'
+    for i in range(len(text) + 1):
+        calls = ToolCalls(factory(tools))
+        deltas = calls.feed(text[:i]) + calls.feed(text[i:]) + calls.finish()
+        content, made = calls.result()
+        assert [(c.name, c.arguments) for c in made] == [("f", '{"a": 1}')]
+        assert content == 'Hi  <call name="g">{}</call>'
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert streamed == content and "<call name=\"f\"" not in streamed
+
+
+def exercise_reasoning_parser(module, cpu_device, tiny_model_factory):
+    _, regs = registries_with(module)
+    factory = regs.reasoning_parsers.get("answer_line").obj
+    text = "2 and 2 make 4.ANSWER: 4"
+    for i in range(len(text) + 1):
+        parser = factory(True)
+        parts = [parser.feed(text[:i]), parser.feed(text[i:]), parser.finish()]
+        assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (
+            "2 and 2 make 4.", " 4")
+    assert factory(False).feed(text) == ("", text)
+
+
 EXERCISES = {name[len("exercise_"):]: fn for name, fn in globals().items()
              if name.startswith("exercise_")}
 

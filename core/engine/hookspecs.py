@@ -114,14 +114,17 @@ def register_speculative_algorithms(register):
 @hookspec
 def register_tool_parsers(register):
     """Register ``--tool-call-parser`` parsers (contract 1.4): ``register(name, factory, *,
-    aliases=(), description="")``; ``factory() -> ToolParser`` (one per request: it keeps
-    the state of a streamed response)."""
+    aliases=(), description="")``; ``factory(tools) -> ToolParser``
+    (:class:`engine.parsers.ToolParser`; ``tools`` the request's OpenAI tools), one per choice
+    of a chat request with ``tool_choice`` auto: it keeps the state of a streamed response."""
 
 
 @hookspec
 def register_reasoning_parsers(register):
     """Register ``--reasoning-parser`` parsers (contract 1.4): ``register(name, factory, *,
-    aliases=(), description="")``; ``factory() -> ReasoningParser`` (one per request)."""
+    aliases=(), description="")``; ``factory(thinking) -> ReasoningParser``
+    (:class:`engine.parsers.ReasoningParser`), one per choice; ``thinking`` False when the
+    request turned thinking off or a grammar forces the output."""
 
 
 @hookspec
