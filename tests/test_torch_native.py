@@ -75,7 +75,13 @@ def test_backend_matches_reference_in_every_mode(page_size):
     # (6x8 vs 9x15 query-key pairs) to be split, so every group pays at most ~2x its own cost
     assert batch.mode == ForwardMode.MIXED
     assert sorted(g.q_len for g in backend.groups) == [1, 6, 9]
-    free_requests(pool, rows, [n + e for n, e in zip(lens, [1, 6, 1, 9])])
+    lens = [n + e for n, e in zip(lens, [1, 6, 1, 9])]
+    # equal extends after prefixes of different lengths (a verify step of speculative
+    # decoding, chunks after radix hits): the groups order rows by cost, not as the batch has
+    # them, so q must be gathered even though the rows fill the batch
+    batch = run_step(pool, backend, rows, lens, [3, 3, 3, 3], gen)
+    assert batch.mode == ForwardMode.EXTEND
+    free_requests(pool, rows, [n + 3 for n in lens])
     assert pool.free_slots == pool.size
 
 

@@ -65,7 +65,8 @@ class TorchNativeBackend(AttentionBackend):
         ext = [batch.extend_lens_list[i] for i in idx]
         seq = [batch.prefix_lens_list[i] + batch.extend_lens_list[i] for i in idx]
         B, E, L = len(idx), max(ext), max(seq)
-        whole = B == batch.batch_size and min(ext) == E  # q is already [B, E] in order
+        # q is already [B, E] in order (bucket_prompts may reorder rows: then it is not)
+        whole = B == batch.batch_size and min(ext) == E and idx == list(range(B))
         sel = long_tensor(idx, dev)
         ext_t = batch.extend_lens[sel]
         seq_t = batch.seq_lens[sel]
