@@ -4,7 +4,8 @@ A router (``Router``: logits over the experts) picks each token's top-k experts;
 expert) pairs are sorted by expert, so each active expert's tokens are contiguous rows, and
 each active expert runs its SwiGLU MLP on its rows alone: one GEMM for gate and up packed
 together (a ``MergedLinear``, as a dense MLP's), one for down. The outputs are weighted by the
-routing weights, put back in token order and summed over each token's k experts.
+routing weights and added into their tokens' rows (``index_add_``), which sums each token's k
+experts without a [T * k, hidden] buffer put back in token order.
 
 The experts' projections are the engine's ``Linear``/``MergedLinear``, so everything that
 applies to a dense layer's linears applies to theirs: oneDNN prepacking, fbgemm's float16
@@ -16,7 +17,8 @@ transformers computes the logits, so that near-tied top-k choices fall the same 
 Numerics follow transformers (its default ``grouped_mm`` experts path): softmax in float32,
 top-k of the probabilities, optional renormalization in float32, the weights cast to the
 model's dtype (Qwen3-MoE) or left in float32 (Mixtral, ``float32_weights``), each expert's
-output times its weight, summed over the k experts in top-k order, cast to the model's dtype.
+output times its weight, summed over the k experts (in float32, in expert order rather than
+top-k order: float32 rounding apart, the same sum), cast to the model's dtype.
 
 The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
 once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
@@ -74,7 +76,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up))
 
 
 class SparseMoE(nn.Module):
@@ -94,22 +96,28 @@ class SparseMoE(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T, k = x.shape[0], self.top_k
+        k = self.top_k
         weights, ids = route(self.gate(x), k, self.renormalize,
                              torch.float32 if self.float32_weights else x.dtype)
         flat = ids.reshape(-1)  # [T * k] (token, expert) pairs, token-major
         order = torch.sort(flat, stable=True).indices  # grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x[order // k]  # each pair's token row, in expert order
-        out = torch.empty_like(rows)
+        tokens = order // k  # each pair's token, in expert order
+        pair_weights = weights.reshape(-1)[order].unsqueeze(-1)
+        rows = x.index_select(0, tokens)
+        # each expert's weighted rows are added straight into their tokens' sums (float32
+        # for half models: one rounding at the end, as a sum over the k experts would)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
         start = 0
         for expert, n in zip(self.experts, counts):
             if n:
-                out[start:start + n] = expert(rows[start:start + n])
-                start += n
-        weighted = out * weights.reshape(-1)[order].unsqueeze(-1)
-        pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)  # token-major again
-        return pairs.view(T, k, -1).sum(dim=1).to(x.dtype)
+                end = start + n
+                y = expert(rows[start:end])
+                y = y.mul_(pair_weights[start:end]) if y.dtype == pair_weights.dtype == \
+                    out.dtype else (y * pair_weights[start:end]).to(out.dtype)
+                out.index_add_(0, tokens[start:end], y)
+                start = end
+        return out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, "
