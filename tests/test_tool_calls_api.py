@@ -12,7 +12,6 @@ import os
 import types
 
 import pytest
-
 from engine.config import ConfigError, EngineConfig
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -125,8 +124,8 @@ def test_named_function_is_called_with_valid_arguments(client):
 
 
 def test_auto_reads_the_hermes_call_the_model_writes(client):
-    body = dict(messages=ASK, tools=TOOLS, max_tokens=80,
-                extra_body={"guided_choice": ["Let me see. " + HERMES_CALL]})
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 80,
+                "extra_body": {"guided_choice": ["Let me see. " + HERMES_CALL]}}
     r = client.chat.completions.create(model="tiny", **body)
     message = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and message.content == "Let me see."
@@ -156,7 +155,7 @@ def test_tool_results_reach_the_template(client):
 
 def test_reasoning_is_kept_apart_unless_asked_not_to(client):
     text = "<think>\nThinking hard.\n</think>\n\nThe answer."
-    body = dict(messages=ASK, max_tokens=60, extra_body={"guided_choice": [text]})
+    body = {"messages": ASK, "max_tokens": 60, "extra_body": {"guided_choice": [text]}}
     r = client.chat.completions.create(model="tiny", **body)
     message = r.choices[0].message
     assert (message.reasoning_content, message.content) == ("Thinking hard.", "The answer.")
@@ -170,14 +169,14 @@ def test_reasoning_is_kept_apart_unless_asked_not_to(client):
 def test_bad_tool_requests_are_400s_naming_the_field(client):
     openai = pytest.importorskip("openai")
     cases = [
-        (dict(tool_choice="required"), "tool_choice", "has no tools"),
-        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        ({"tool_choice": "required"}, "tool_choice", "has no tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "not among the request's tools"),
-        (dict(tools=TOOLS + TOOLS[:1]), "tools", "given twice"),
-        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "given twice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format", "both constrain"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": 5}}}}}], tool_choice="required"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": 5}}}}}], "tool_choice": "required"},
          "tools", "grammar backend"),
     ]
     for extra, param, words in cases:
@@ -187,7 +186,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(client):
         assert error["param"] == param and words in error["message"], (extra, error)
 
 
-# -- without a model --------------------------------------------------------------------------------
+# -- without a model ----------------------------------------------------------------------------
 def _engine(tool_parser=None):
     return types.SimpleNamespace(tool_parser=tool_parser, reasoning_parser=None)
 
@@ -216,7 +215,6 @@ def test_auto_without_a_parser_says_how_to_start_the_server():
 
 def test_parser_flags():
     from click.testing import CliRunner
-
     from engine_cli.main import cli
 
     out = CliRunner().invoke(cli, ["serve", "--tool-call-parser", "hermez"])

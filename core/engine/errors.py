@@ -24,6 +24,11 @@ KNOWN_PROVIDERS = {
         "xgrammar": ("engine-grammar-xgrammar", "plugins/grammar_xgrammar"),
         "llguidance": ("engine-grammar-llguidance", "plugins/grammar_llguidance"),
     },
+    "tool-call parser": {name: ("engine-parsers", "plugins/parsers") for name in (
+        "hermes", "qwen25", "qwen", "llama3_json", "llama3", "mistral", "pythonic",
+        "llama4_pythonic")},
+    "reasoning parser": {name: ("engine-parsers", "plugins/parsers") for name in (
+        "deepseek-r1", "deepseek_r1", "qwen3", "qwen3-thinking")},
 }
 GRAMMAR_INSTALL = ("pip install ./plugins/grammar_xgrammar (or ./plugins/grammar_llguidance; "
                    "from PyPI: engine-grammar-xgrammar, engine-grammar-llguidance)")

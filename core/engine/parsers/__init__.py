@@ -5,10 +5,25 @@ readers of JSON-written calls they share with the grammar-enforced ``tool_choice
 ``tool_choice`` the grammar enforces) and what a response makes of a
 tool parser's events (output.py). Nothing here imports torch."""
 
-from engine.parsers.base import (Arguments, Content, Invalid, Name, ReasoningParser, ToolEvent,
-                                 ToolParser, hold_back, tool_names)
-from engine.parsers.calls import (ARGUMENT_KEYS, ArgumentsReader, CallError, CallListReader,
-                                  CallReader, NotACall)
+from engine.parsers.base import (
+                                 Arguments,
+                                 Content,
+                                 Invalid,
+                                 Name,
+                                 ReasoningParser,
+                                 ToolEvent,
+                                 ToolParser,
+                                 hold_back,
+                                 tool_names,
+)
+from engine.parsers.calls import (
+                                 ARGUMENT_KEYS,
+                                 ArgumentsReader,
+                                 CallError,
+                                 CallListReader,
+                                 CallReader,
+                                 NotACall,
+)
 from engine.parsers.forced import NamedCall, RequiredCalls
 from engine.parsers.json_scan import JsonScanner, JsonSyntaxError
 from engine.parsers.output import ToolCall, ToolCalls
@@ -16,5 +31,6 @@ from engine.parsers.output import ToolCall, ToolCalls
 __all__ = [
     "ARGUMENT_KEYS", "Arguments", "ArgumentsReader", "CallError", "CallListReader", "CallReader",
     "Content", "Invalid", "JsonScanner", "JsonSyntaxError", "Name", "NamedCall", "NotACall",
-    "ReasoningParser", "RequiredCalls", "ToolCall", "ToolCalls", "ToolEvent", "ToolParser", "hold_back", "tool_names",
+    "ReasoningParser", "RequiredCalls", "ToolCall", "ToolCalls", "ToolEvent", "ToolParser",
+    "hold_back", "tool_names",
 ]

@@ -26,7 +26,7 @@ class CallError(ValueError):
         super().__init__(message)
         self.consumed = consumed
 
-    def moved(self, by: int) -> "CallError":
+    def moved(self, by: int) -> CallError:
         """The same error, counted from ``by`` characters earlier."""
         return type(self)(str(self), self.consumed + by)
 

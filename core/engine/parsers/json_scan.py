@@ -36,7 +36,7 @@ class Member:
     """A value of the top-level object (``key``) or array (``key`` None): ``start`` and ``end``
     index the scanner's ``text`` (``end`` None while it is being written)."""
 
-    __slots__ = ("key", "start", "end")
+    __slots__ = ("end", "key", "start")
 
     def __init__(self, key: str | None, start: int | None = None):
         self.key, self.start, self.end = key, start, None

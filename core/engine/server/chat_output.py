@@ -63,7 +63,7 @@ class ChoiceOutput:
             return "", args[0] if args else ""
         try:
             return getattr(self.reasoning, method)(*args)
-        except Exception:  # noqa: BLE001 - a plugin's bug: logged, the text is content
+        except Exception:
             logger.exception("reasoning parser %s failed; the rest of this output is content",
                              type(self.reasoning).__name__)
             self.reasoning = None
@@ -85,7 +85,7 @@ class ChoiceOutput:
     def _tool(self, method: str, *args) -> list[dict]:
         try:
             return getattr(self.calls, method)(*args)
-        except Exception:  # noqa: BLE001 - a plugin's bug: logged, the text is content
+        except Exception:
             logger.exception("tool parser %s failed; the rest of this output is content",
                              type(self.calls.parser).__name__)
             content, _ = self.calls.result()

@@ -11,8 +11,8 @@ Of ``chat_template_kwargs`` only the variables the template refers to are passed
 A render over its budget (time, or the characters rendered) raises ``ChatTemplateError`` naming
 the limit (``limit`` is "time" or "size"), which the chat route turns into a 400. Renders get
 the variables transformers' ``apply_chat_template`` gives (the messages, the request's
-``tools`` (None without), ``documents`` None, ``add_generation_prompt``, the tokenizer's special tokens, then the
-kwargs), so the model's template renders what it renders there.
+``tools`` (None without), ``documents`` None, ``add_generation_prompt``, the tokenizer's
+special tokens, then the kwargs), so the model's template renders what it renders there.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ options) made into what the chat route needs: the tools for the chat template, t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.interfaces import Constraint
 from engine.parsers import NamedCall, RequiredCalls

@@ -1,6 +1,6 @@
 """Tool-call parsers (``--tool-call-parser``: hermes, llama3_json, mistral, pythonic) and
-reasoning parsers (``--reasoning-parser``: deepseek-r1, qwen3, qwen3-thinking) for the chat route, with the
-names SGLang and vLLM give them. The parsers import nothing heavy (no torch)."""
+reasoning parsers (``--reasoning-parser``: deepseek-r1, qwen3, qwen3-thinking) for the chat
+route, with the names SGLang and vLLM give them. The parsers import nothing heavy (no torch)."""
 
 from engine import hookimpl
 

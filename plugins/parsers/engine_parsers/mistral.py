@@ -10,8 +10,16 @@ import random
 import re
 import string
 
-from engine.parsers import (ArgumentsReader, CallError, CallListReader, CallReader, Content,
-                            Invalid, Name, ToolParser)
+from engine.parsers import (
+    ArgumentsReader,
+    CallError,
+    CallListReader,
+    CallReader,
+    Content,
+    Invalid,
+    Name,
+    ToolParser,
+)
 
 from engine_parsers.text import until_marker
 

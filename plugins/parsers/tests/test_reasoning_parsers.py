@@ -4,7 +4,6 @@ reasoning and the answer apart, the markers in neither."""
 from __future__ import annotations
 
 import pytest
-
 from engine_parsers.think import DeepSeekR1Parser, Qwen3Parser, Qwen3ThinkingParser
 
 
@@ -48,7 +47,8 @@ def test_deepseek_r1_cut_while_thinking_is_all_reasoning():
 
 
 def test_qwen3_without_think_is_all_content():
-    assert every_split(Qwen3Parser, "Just 4 </think> here.", sections=False) == ("", "Just 4 </think> here.")
+    text = "Just 4 </think> here."
+    assert every_split(Qwen3Parser, text, sections=False) == ("", text)
 
 
 @pytest.mark.parametrize("cls", [DeepSeekR1Parser, Qwen3Parser])

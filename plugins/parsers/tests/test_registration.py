@@ -3,12 +3,11 @@ makes a fresh parser per request."""
 
 from __future__ import annotations
 
+import engine_parsers
 import pytest
 from engine.parsers import ReasoningParser, ToolParser
 from engine.plugins import registries_with
 from engine.registry import UnknownName
-
-import engine_parsers
 
 
 def test_registered_names_and_aliases():

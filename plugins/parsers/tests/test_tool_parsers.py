@@ -8,7 +8,6 @@ import functools
 
 import pytest
 from engine.parsers import Invalid, Name, ToolCalls
-
 from engine_parsers.hermes import HermesParser
 from engine_parsers.llama3_json import Llama3JsonParser
 from engine_parsers.mistral import MistralParser
