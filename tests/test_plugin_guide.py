@@ -306,6 +306,25 @@ def exercise_reasoning_parser(module, cpu_device, tiny_model_factory):
     assert factory(False).feed(text) == ("", text)
 
 
+def exercise_drafter(module, cpu_device, tiny_model_factory):
+    """Through an Engine: drafts verified (every one, the policy taken out), outputs those of
+    decoding without them."""
+    from engine import Engine
+
+    model = tiny_model_factory("llama")
+    prompt = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9, 12, 7, 5]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    plain = Engine(model, max_total_tokens=500).generate(input_ids=prompt,
+                                                         sampling_params=params)
+    with registered_globally(module):
+        engine = Engine(model, max_total_tokens=500, speculative_algorithm="BIGRAM")
+        spec = engine.scheduler.spec
+        spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+        out = engine.generate(input_ids=prompt, sampling_params=params)
+    assert out["output_ids"] == plain["output_ids"]
+    assert spec.stats.drafted > 0
+
+
 EXERCISES = {name[len("exercise_"):]: fn for name, fn in globals().items()
              if name.startswith("exercise_")}
 

@@ -16,7 +16,8 @@ from engine_cli.main import cli
 PYTHON = sys.executable
 ENGINE = os.path.join(os.path.dirname(PYTHON), "engine")
 KINDS = {"attention": "my_attention", "policy": "my_policy", "quant": "my_quant",
-         "kv-dtype": "my_kv", "command": "my_command", "observer": "my_observer"}
+         "kv-dtype": "my_kv", "command": "my_command", "observer": "my_observer",
+         "speculative": "my_drafter"}
 
 
 def new(*args):
@@ -108,7 +109,8 @@ def test_installed_packages_appear_in_engine_plugins_and_the_cli(packages):
         assert f"engine-{name.replace('_', '-')}" in dists, kind
     assert not [e for e in data["errors"] if e["dist"].startswith("engine-my-")]
     for key, name in [("attention", "my_attention"), ("policies", "my_policy"),
-                      ("quantization", "my_quant"), ("kv_dtypes", "my_kv")]:
+                      ("quantization", "my_quant"), ("kv_dtypes", "my_kv"),
+                      ("speculative", "my_drafter")]:
         row = next(r for r in data[key] if r["name"] == name)
         assert row["available"] and row["dist"] == f"engine-{name.replace('_', '-')}"
     assert dists["engine-my-observer"]["hooks"] == ["engine_started", "step_finished"]
@@ -125,7 +127,7 @@ def test_the_generated_tests_pass(packages):
                           str(root), *tests], capture_output=True, text=True, env=env, cwd=root,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "8 passed" in out.stdout
+    assert "10 passed" in out.stdout
 
 
 def test_pip_install_e_then_serve_with_the_new_policy(tmp_path, tiny_model_factory):

@@ -214,6 +214,44 @@ ENGINE_OPTIONS = [
                  help="Structured outputs (response_format, json_schema, regex, ebnf, guided_*). "
                       "auto: the installed backend with the highest priority (xgrammar, then "
                       "llguidance); none: off (constrained requests get a 400)."),
+    click.option("--tool-call-parser", type=RegistryChoice("tool_parsers"),
+                 help="Chat: read the tool calls the model writes in this format into "
+                      "message.tool_calls (tool_choice auto). tool_choice required or a named "
+                      "function needs no parser (the grammar backend enforces the calls)."),
+    click.option("--enable-auto-tool-choice", is_flag=True,
+                 help="vLLM's: tool_choice auto (needs --tool-call-parser, which alone turns it "
+                      "on here, as in SGLang)."),
+    click.option("--reasoning-parser", type=RegistryChoice("reasoning_parsers"),
+                 help="Chat: the model's reasoning (<think>...</think>) as reasoning_content, "
+                      "apart from the content (a request's separate_reasoning false, or "
+                      "chat_template_kwargs.enable_thinking false, leaves it in the content)."),
+    # speculative decoding (engine/speculative; docs/speculative.md)
+    click.option("--speculative-algorithm",
+                 help="Decode speculatively: NGRAM (prompt/output lookup, engine-spec-ngram), "
+                      "or a plugin's algorithm (STANDALONE, EAGLE, EAGLE3 when installed). "
+                      "Outputs stay those of decoding without it.  [default: off]"),
+    click.option("--speculative-num-draft-tokens", type=int,
+                 help="Tokens verified per request and step, its last token included (at "
+                      "most this minus one drafts).  [default: 8 for NGRAM]"),
+    click.option("--speculative-num-steps", type=int,
+                 help="Draft-model steps per verify (STANDALONE / EAGLE drafters)."),
+    click.option("--speculative-eagle-topk", type=int,
+                 help="Branching of EAGLE's draft tree (EAGLE drafters)."),
+    click.option("--speculative-draft-model-path",
+                 help="The draft model (STANDALONE / EAGLE drafters)."),
+    click.option("--speculative-ngram-min-match-window-size", type=int,
+                 help="NGRAM: the shortest suffix of a request's tokens matched earlier in "
+                      "its prompt or output.  [default: 1]"),
+    click.option("--speculative-ngram-max-match-window-size", type=int,
+                 help="NGRAM: the longest suffix tried (longest first).  [default: 12]"),
+    click.option("--speculative-ngram-max-bfs-breadth", type=int,
+                 help="NGRAM: draft branches per request; 1 (chains) is what this engine "
+                      "verifies today.  [default: 1]"),
+    click.option("--speculative-config",
+                 help="vLLM's spelling, a JSON object: method (ngram, eagle, eagle3, "
+                      "draft_model), num_speculative_tokens, prompt_lookup_max, "
+                      "prompt_lookup_min, model; folded into the --speculative-* flags (a "
+                      "clash is an error)."),
     # parallelism (engine/parallel): tp x pp ranks, one process each, over --nnodes nodes
     click.option("--tp-size", "--tensor-parallel-size", "tp_size", default=_D.tp_size,
                  type=click.IntRange(min=1),

@@ -104,7 +104,7 @@ def plugins_command(ctx, as_json):
 @plugins_command.command("new")
 @click.argument("name")
 @click.option("--kind", required=True, type=click.Choice(
-    ["attention", "policy", "quant", "kv-dtype", "command", "observer"]),
+    ["attention", "policy", "quant", "kv-dtype", "command", "observer", "speculative"]),
     help="What the plugin adds.")
 @click.option("--dir", "parent", default=".", show_default=True,
               type=click.Path(file_okay=False), help="Where to create the package's folder.")

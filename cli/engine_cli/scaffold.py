@@ -23,6 +23,8 @@ KINDS = {
               "engine serve --quantization {name}"),
     "kv-dtype": ("kv_dtypes", "KV-cache dtype '{name}'",
                  "engine serve --kv-cache-dtype {name} --attention-backend torch_native"),
+    "speculative": ("speculative", "speculative algorithm '{name}'",
+                    "engine serve --speculative-algorithm {name}"),
     "command": (None, "the subcommand `engine {command}`", "engine {command} --help"),
     "observer": (None, "a step observer '{name}'",
                  "engine serve (it watches every engine; its log lines start with '{name}:')"),

@@ -82,6 +82,24 @@ class EngineConfig:
     # structured outputs: auto = the usable grammar backend with the highest priority (none
     # installed: constrained requests are refused), none = off, or a registered name
     grammar_backend: str = "auto"
+    # chat: tool calls read from the output (SGLang's --tool-call-parser; vLLM's too, with
+    # --enable-auto-tool-choice) and the reasoning apart from the answer (--reasoning-parser)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    # speculative decoding (engine/speculative; SGLang's flags; vLLM's --speculative-config
+    # JSON is folded into them, a clash being an error, by speculative/settings.py, which
+    # checks them when the Engine resolves its names): the drafter is a plugin's
+    # (register_speculative_algorithms), the core verifies
+    speculative_algorithm: str | None = None  # NGRAM | STANDALONE | EAGLE | EAGLE3
+    speculative_num_draft_tokens: int | None = None  # per request and step, its last included
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
+    speculative_ngram_max_bfs_breadth: int | None = None
+    speculative_config: str | dict | None = None  # vLLM's JSON
     plugin_options: dict = field(default_factory=dict)
     # vLLM's spellings (validate() folds each into the SGLang knob above; both with different
     # values is an error naming both)
@@ -146,6 +164,9 @@ class EngineConfig:
         need(isinstance(self.grammar_backend, str) and bool(self.grammar_backend),
              f"--grammar-backend must be auto, none or a grammar backend's name, got "
              f"{self.grammar_backend!r}")
+        need(not self.enable_auto_tool_choice or bool(self.tool_call_parser),
+             "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model "
+             "writes its calls in: `engine plugins` lists the installed parsers)")
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
         need(self.dp_size == 1,
              f"dp_size {self.dp_size}: one Engine is one replica; N replicas are N processes "

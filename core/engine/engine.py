@@ -47,6 +47,7 @@ class Engine:
                                      resolve_grammar_backend, resolve_kv_dtype,
                                      resolve_parallel_strategy, resolve_parser,
                                      resolve_policy, resolve_quantization)
+        from engine.speculative.build import resolve_speculative
 
         config = self.config
         policy_entry = resolve_policy(regs, config.schedule_policy)
@@ -55,6 +56,7 @@ class Engine:
         # the chat route's parsers (engine.server.tool_choice): entries whose obj makes one
         self.tool_parser = resolve_parser(regs.tool_parsers, config.tool_call_parser)
         self.reasoning_parser = resolve_parser(regs.reasoning_parsers, config.reasoning_parser)
+        self.spec_entry, self.spec_settings = resolve_speculative(regs, config)
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)
@@ -112,6 +114,11 @@ class Engine:
                                       self.runner.model_config.vocab_size)
         self.scheduler = make_scheduler(config, self.runner, pool, sizing, resolved.policy,
                                         self.eos_token_ids)
+        if self.spec_entry is not None:  # --speculative-algorithm (engine/speculative)
+            from engine.speculative.build import make_spec_decoder
+
+            self.scheduler.spec = make_spec_decoder(self.spec_entry, self.spec_settings,
+                                                    self.runner, sizing.context_length)
         for line in start_lines(self, resolved):
             logger.info(line)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from engine.memory.kv_dtype import KVDtype  # noqa: F401  (plugins implement it from here)
 
@@ -274,3 +274,46 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
+
+
+class Draft(NamedTuple):
+    """A drafter's proposal for one request: ``tokens`` to follow its sequence, and a
+    ``kind``: drafts of one kind share acceptance statistics (an n-gram drafter's kind is
+    its match length: long matches are right more often), so the core learns which drafts
+    pay."""
+
+    tokens: list[int]
+    kind: int = 0
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter's factory (``register_speculative_algorithms``, contract 1.4) is built
+    with: the engine's speculative settings (an :class:`engine.speculative.SpecSettings`:
+    ``algorithm``, ``num_draft_tokens``, ``num_steps``, ``eagle_topk``, ``draft_model_path``,
+    ``ngram_min_match_window``, ``ngram_max_match_window``, ``ngram_max_bfs_breadth``), the
+    model's vocabulary size (its logits width) and the device the target runs on."""
+
+    settings: Any
+    vocab_size: int
+    device: Any
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for running requests; the core verifies them in one target
+    forward and keeps what the target itself would have produced, so a drafter can be wrong
+    at no cost to the output (only to speed). Built once per engine; used from one thread."""
+
+    @abstractmethod
+    def propose(self, reqs: list, max_tokens: list[int]) -> list[Draft]:
+        """For each request of ``reqs`` (objects with ``rid``, ``prompt_ids`` and
+        ``output_ids``: their sequence is prompt + output, the last token not yet run through
+        the target), a :class:`Draft` of at most ``max_tokens[i]`` tokens (possibly none).
+        A request is proposed for every step it decodes until ``release``."""
+
+    def release(self, rid: str) -> None:
+        """Request ``rid`` finished, or was retracted (it may come back): forget its state."""
+
+    def describe(self) -> str:
+        """One line for the start log (its settings)."""
+        return type(self).__name__

@@ -156,6 +156,10 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
     lines += [engine.cuda_graph, engine.piecewise_cuda_graph]
     if engine.cpu_graph:
         lines.append(engine.cpu_graph)
+    if engine.scheduler.spec is not None:
+        from engine.speculative.build import spec_line
+
+        lines.append(spec_line(engine.scheduler.spec, engine.spec_entry))
     if resolved.kv.obj.needs_scale:
         scales = ("from the checkpoint" if runner.kv_scales_from_checkpoint else
                   "1.0 (none in the checkpoint)")

@@ -35,6 +35,8 @@ class StepStats:
     # what observers publish for this engine: /get_server_info shows each key (see the
     # engine_started hook); the same dict every step of one engine, so it also tells engines apart
     extra_info: dict = None
+    # speculative decoding's cumulative counts (engine.speculative.verify.SpecStats; None: off)
+    spec: object = None
 
     @property
     def token_usage(self) -> float:
@@ -68,6 +70,7 @@ class StatLogger:
         self.tokens_since = 0
         self.since = time.monotonic()
         self.preemptions = 0  # cumulative, for vLLM's warning
+        self.spec_since = (0, 0)  # speculation's (tokens, request-steps) at the last line
 
     def prefill(self, s: StepStats) -> None:
         logger.info(
@@ -83,9 +86,15 @@ class StatLogger:
         now = time.monotonic()
         s.gen_throughput = self.tokens_since / max(now - self.since, 1e-9)
         self.tokens_since, self.since = 0, now
+        accept = ""
+        if s.spec is not None:  # SGLang's "accept len": tokens per request-step since the last
+            tokens, steps = s.spec.tokens, s.spec.request_steps
+            t0, n0 = self.spec_since
+            self.spec_since = (tokens, steps)
+            accept = f"accept len: {(tokens - t0) / max(steps - n0, 1):.2f}, "
         logger.info(
             f"Decode batch. #running-req: {s.num_running_reqs}, #token: {s.num_used_tokens}, "
-            f"token usage: {s.token_usage:.2f}, cuda graph: {s.cuda_graph}, "
+            f"token usage: {s.token_usage:.2f}, {accept}cuda graph: {s.cuda_graph}, "
             f"gen throughput (token/s): {s.gen_throughput:.2f}, "
             f"#queue-req: {s.num_queue_reqs}")
 

@@ -137,5 +137,7 @@ class Commit:
         r.status, r.finish_reason = Status.FINISHED, reason
         r.finished_time = time.monotonic()
         self.ratio.finished(r)
+        if self.spec is not None:
+            self.spec.finished(r.rid)
         self.counters.finished_reqs += 1
         self.counters.e2e.append(r.finished_time - r.created)

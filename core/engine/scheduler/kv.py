@@ -7,7 +7,8 @@ A request's KV state is five fields on ``Req`` (``row``, ``kv_len``, ``alloc_len
 - ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache) plus
   slots for ``n`` more tokens; all or nothing.
 - ``grow(req, n)``: slots for a prompt chunk; ``grow_decodes(reqs)``: one slot each, in one go.
-- ``computed(decodes, chunks)``: the forward wrote their K/V; full prompt pages are cached.
+- ``computed(decodes, chunks)``: the forward wrote their K/V; full prompt pages are cached;
+  ``computed_to(req, n)``: a verify step's accepted drafts.
 - ``release(req)``: finished or aborted, its computed prefix stays cached (with a cache);
   ``retract(req)``: everything freed, nothing cached (it is recomputed later).
 
@@ -169,6 +170,12 @@ class KVManager:
         for r, n in chunks:
             r.kv_len += n
             self._cache_prefix(r)
+
+    def computed_to(self, req: Req, kv_len: int) -> None:
+        """A verify step (engine/speculative): ``req``'s K/V is right up to ``kv_len`` (its
+        accepted drafts); slots past it, of rejected drafts, stay its own to overwrite."""
+        assert req.kv_len <= kv_len <= req.alloc_len, (req.kv_len, kv_len, req.alloc_len)
+        req.kv_len = kv_len
 
     # -- release -------------------------------------------------------------------------------
     def release(self, req: Req) -> None:

@@ -18,7 +18,7 @@ from engine.scheduler.retract import pick_victims
 from engine.scheduler.step_batch import forward_batch, rows_to_sample, scored_done
 from engine.stats import Counters, StatLogger, StepStats, is_out_of_memory
 
-_OUTPUT_IDS, _FINISHED = attrgetter("output_ids"), attrgetter("finished")  # counted per step
+_FINISHED = attrgetter("finished")  # counted per step
 
 
 class Scheduler(Commit):
@@ -43,7 +43,9 @@ class Scheduler(Commit):
         self.on_step = on_step
         self.extra_info: dict = {}  # observers' additions to /get_server_info
         self.step_no = 0
+        self._reported = 0  # counters.generation_tokens at the last report
         self.overlap = None  # an OverlapSchedule with --enable-overlap-schedule
+        self.spec = None  # a SpecDecoder with --speculative-algorithm (engine/speculative)
 
     # -- queue -----------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -92,7 +94,10 @@ class Scheduler(Commit):
         prefill = self.admit_prompts(len(decodes))
         ran = bool(decodes or prefill.chunks)
         try:
-            touched = self._run(decodes, prefill.chunks, grown) if ran else []
+            if self.spec is not None and decodes and not prefill.chunks:
+                touched = self.spec.run(self, decodes, grown)  # drafts verified where they pay
+            else:
+                touched = self._run(decodes, prefill.chunks, grown) if ran else []
         except Exception as e:  # counted for observers (the advisor); the caller handles it
             self.counters.prefill_oom_errors += bool(prefill.chunks and is_out_of_memory(e))
             raise
@@ -111,12 +116,13 @@ class Scheduler(Commit):
         stats = StepStats(self.step_no, mode, len(self.running), len(self.waiting),
                           self.num_used_tokens, self.kv.pool.size, prefill.new_seqs,
                           prefill.tokens, prefill.cached,
-                          generated_tokens=sum(map(bool, map(_OUTPUT_IDS, touched))),
+                          generated_tokens=self._generated(),
                           retracted_reqs=retracted,
                           finished_reqs=sum(map(_FINISHED, touched)),
                           cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters,
                           max_running_requests=self.sizing.max_running_requests,
-                          extra_info=self.extra_info)
+                          extra_info=self.extra_info,
+                          spec=None if self.spec is None else self.spec.stats)
         self.ratio.observe(stats)
         if prefill.chunks:
             self.log.prefill(stats)
@@ -124,6 +130,12 @@ class Scheduler(Commit):
             self.log.decode(stats)
         if self.on_step:
             self.on_step(stats)
+
+    def _generated(self) -> int:
+        """Tokens generated since the last report (a verify step gives a request several)."""
+        total = self.counters.generation_tokens
+        n, self._reported = total - self._reported, total
+        return n
 
     def _make_room(self, decodes: list[Req]) -> int:
         """Free slots for this step's decodes, retracting requests when the pool is short."""

@@ -107,6 +107,9 @@ async def server_info(request: Request):
     if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
         info["parallel"] = engine.runner.info()
     info["prefill_oom_errors"] = engine.scheduler.counters.prefill_oom_errors
+    spec = engine.scheduler.spec  # --speculative-algorithm: its settings and counts
+    info["speculative"] = None if spec is None else {**spec.settings.as_dict(),
+                                                     **spec.stats.as_dict()}
     try:  # SGLang's key: one entry per engine (one here)
         info["internal_states"] = [await st.runtime.call(internal_state)]
     except EngineFailed as e:

@@ -74,7 +74,12 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a "
                                                              "request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.spec_drafted = counter("spec_decode_num_draft_tokens", "Draft tokens verified "
+                                                              "(speculative decoding).")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                                                 "(speculative decoding).")
         self._seen = dict.fromkeys(_COUNTED, 0)
+        self._spec_seen = (0, 0)
         self._history = collections.deque()  # (time, generation tokens so far)
 
     def sync(self, scheduler) -> None:
@@ -99,6 +104,12 @@ class ServerMetrics:
                 histogram.observe(x)
             samples.clear()
         self._update_throughput(c.generation_tokens)
+        spec = getattr(scheduler, "spec", None)
+        if spec is not None:
+            drafted, accepted = spec.stats.drafted, spec.stats.accepted
+            self.spec_drafted.inc(drafted - self._spec_seen[0])
+            self.spec_accepted.inc(accepted - self._spec_seen[1])
+            self._spec_seen = (drafted, accepted)
 
     def _update_throughput(self, total: int) -> None:
         now = time.monotonic()

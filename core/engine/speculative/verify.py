@@ -1,0 +1,122 @@
+"""A speculative decode step: the drafter proposes, the policy picks how many drafts each
+request verifies, one target forward runs every request's last token and drafts (an extend of
+``1 + k`` tokens over its paged KV, every position's logits kept), and the tokens are sampled
+position by position: round ``j`` samples position ``j`` of every request still accepting,
+with the same sampler, penalties, grammar masks, seeds, logprobs and stop checks as a decode
+step (``Commit.commit``), and a request stops accepting at its first draft that differs from
+the token sampled before it. The output is what decoding without drafts gives: each sampled
+token comes from the logits of exactly the sequence it follows. (For a drafter whose
+proposals are certain, as n-gram lookup's are, this is rejection sampling: a draft is
+accepted with the target's probability of it.)
+
+KV: a request's slots grow to cover its ``1 + k`` tokens; after round ``j`` its ``kv_len``
+is ``old + j + 1`` (the inputs up to the token sampled there); slots past it (rejected drafts)
+stay allocated to it and are overwritten by later steps, so nothing is freed here and the slot
+invariant holds."""
+
+from __future__ import annotations
+
+import time
+
+from engine.forward_batch import ForwardBatch
+from engine.speculative.policy import DraftPolicy
+
+
+class SpecStats:
+    """Cumulative, for the decode log line, /metrics and /get_server_info."""
+
+    def __init__(self):
+        self.request_steps = 0  # a request decoding in a step while speculation is on
+        self.tokens = 0  # the tokens those request-steps produced
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_steps = 0  # steps that verified at least one draft
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per request-step (1.00: no gain; SGLang's "accept len")."""
+        return self.tokens / self.request_steps if self.request_steps else 1.0
+
+    def as_dict(self) -> dict:
+        return {"accept_length": round(self.accept_length, 3), "drafted_tokens": self.drafted,
+                "accepted_tokens": self.accepted, "verify_steps": self.verify_steps}
+
+
+class SpecDecoder:
+    def __init__(self, drafter, settings, max_context: int):
+        self.drafter, self.settings = drafter, settings
+        self.policy = DraftPolicy(settings.max_drafts)
+        self.max_context = max_context
+        self.stats = SpecStats()
+
+    def finished(self, rid: str) -> None:
+        self.drafter.release(rid)
+        self.policy.forget(rid)
+
+    def run(self, s, decodes: list, grown) -> list:
+        """One decode step of the scheduler ``s`` over ``decodes`` (grown by one slot each),
+        speculative where the policy finds drafts worth verifying."""
+        start = time.perf_counter()
+        limits = [max(0, min(self.settings.max_drafts, r.remaining_new_tokens - 1,
+                             self.max_context - r.kv_len - 1)) for r in decodes]
+        if not any(limits):
+            return self._plain(s, decodes, grown, start)
+        drafts = self.drafter.propose(decodes, limits)
+        take = self.policy.lengths(decodes, drafts)
+        for i, lim in enumerate(limits):
+            take[i] = min(take[i], lim)
+        for i, r in enumerate(decodes):  # slots for the drafts (none left: no drafts)
+            if take[i] and not s.kv.grow(r, take[i] + 1):
+                take[i] = 0
+        if not any(take):
+            return self._plain(s, decodes, grown, start)
+        accepted, tokens = self._verify(s, decodes, [d.tokens[:k] for d, k in zip(drafts, take)])
+        st = self.stats
+        st.request_steps += len(decodes)
+        st.verify_steps += 1
+        st.drafted += sum(take)
+        st.accepted += sum(accepted)
+        st.tokens += len(decodes) + sum(accepted)
+        self.policy.observe(decodes, drafts, take, accepted, tokens, time.perf_counter() - start)
+        return decodes
+
+    def _plain(self, s, decodes: list, grown, start: float) -> list:
+        """A decode step without drafts (none proposed, or none worth verifying)."""
+        touched = s._run(decodes, [], grown)
+        self.stats.request_steps += len(decodes)
+        self.stats.tokens += len(decodes)
+        self.policy.observe_plain(len(decodes), time.perf_counter() - start)
+        return touched
+
+    def _verify(self, s, decodes: list, drafts: list[list[int]]) -> tuple[list[int], int]:
+        """The forward and the rounds; returns each request's accepted drafts and the
+        forward's token count."""
+        table = s.kv.pool.req_to_token
+        ids = [[(r.output_ids or r.prompt_ids)[-1], *d] for r, d in zip(decodes, drafts)]
+        old = [r.kv_len for r in decodes]
+        batch = ForwardBatch.build(ids, old, [r.row for r in decodes], None, table,
+                                   device=table.device)
+        logits = s.runner.forward(batch, return_all_logits=True)
+        offsets, at = [], 0
+        for x in ids:
+            offsets.append(at)
+            at += len(x)
+        accepted = [0] * len(decodes)
+        active = list(range(len(decodes)))
+        j = 0
+        while active:
+            rows = [decodes[i] for i in active]
+            for i in active:
+                s.kv.computed_to(decodes[i], old[i] + j + 1)
+            out = s._sample(logits[[offsets[i] + j for i in active]], rows)
+            sampled = out.next_token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+            s.commit(rows, sampled, logprobs, out.top_logprobs)
+            nxt = []
+            for i, token in zip(active, sampled):
+                d = drafts[i]
+                if j < len(d) and token == d[j] and not decodes[i].finished:
+                    accepted[i] += 1
+                    nxt.append(i)
+            active, j = nxt, j + 1
+        return accepted, at

@@ -1,0 +1,333 @@
+"""Speculative decoding (engine/speculative, engine-spec-ngram): outputs identical to decoding
+without drafts for every request kind and scheduler mode (drafts accepted and rejected, with
+and without the CPU graph), the KV invariant through retraction storms, the flags of SGLang
+and vLLM and their clashes, the policy that drafts only where it pays, and a real server."""
+
+import logging
+import random
+
+import httpx
+import pytest
+
+from engine import Engine
+from engine.config import ConfigError
+from engine.errors import EngineError
+from engine.interfaces import Draft, Drafter
+from engine.registry import UnknownName
+from engine.server.process import ServerProcess
+from engine.speculative.policy import DraftPolicy
+from engine_testing.invariants import assert_all_free
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def ids(seed, n, vocab=500):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+class OracleDrafter(Drafter):
+    """Drafts a reference output (what decoding without drafts produced), wrong at every
+    ``wrong_every``-th position: drafts are accepted up to a wrong token, then rejected."""
+
+    def __init__(self, reference: dict, wrong_every: int = 4):
+        self.reference, self.wrong_every = reference, wrong_every
+
+    def propose(self, reqs, max_tokens):
+        out = []
+        for r, k in zip(reqs, max_tokens):
+            ref = self.reference.get(tuple(r.prompt_ids), [])
+            n = len(r.output_ids)
+            d = [t + (1 if (n + i) % self.wrong_every == 0 else 0)
+                 for i, t in enumerate(ref[n: n + k])]
+            out.append(Draft(d, 0))
+        return out
+
+
+def draft_everything(engine):
+    """Verify every draft proposed (the policy's choice taken out of the test)."""
+    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    return engine
+
+
+def spec_engine(model, drafter=None, **kw):
+    engine = draft_everything(Engine(model, **{"max_total_tokens": 4000,
+                                               "speculative_algorithm": "NGRAM", **kw}))
+    if drafter is not None:
+        engine.scheduler.spec.drafter = drafter
+    return engine
+
+
+def run(engine, prompts, params, every_step=None):
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs += engine.add_request(p, params[i] if isinstance(params, list) else params)
+    for _ in range(2000):
+        if all(r.finished for r in reqs):
+            break
+        engine.step()
+        if every_step:
+            every_step(engine)
+    return [(r.output_ids, r.finish_reason, [round(x, 3) for x in r.output_logprobs])
+            for r in reqs]
+
+
+def compare(model, prompts, params, oracle=True, **kw):
+    """Outputs without speculation, then with (oracle drafts, or n-gram drafts), and the
+    speculative engine."""
+    plain = Engine(model, **{"max_total_tokens": 4000, **kw})
+    ref = run(plain, prompts, params)
+    drafter = OracleDrafter({tuple(p): o for p, (o, _, _) in zip(prompts, ref)}) if oracle \
+        else None
+    engine = spec_engine(model, drafter, **kw)
+    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+    assert_all_free(engine)
+    return ref, got, engine
+
+
+def test_greedy_and_logprobs_identical_with_drafts_accepted_and_rejected(model):
+    prompts = [ids(i, 5 + 3 * i) for i in range(6)]
+    params = [{**GREEDY, "max_new_tokens": 4 + 5 * i, "logprobs": i % 2 == 1,
+               "top_logprobs": 2 * (i % 2)} for i in range(6)]
+    ref, got, engine = compare(model, prompts, params)
+    assert got == ref
+    st = engine.scheduler.spec.stats
+    assert st.accepted > 0 and st.drafted > st.accepted  # both happened
+    assert st.accept_length > 1.5
+    assert engine.scheduler.counters.generation_tokens == sum(4 + 5 * i for i in range(6))
+
+
+def test_ngram_drafts_greedy_identical(model):
+    # a repeated phrase in the prompt: n-gram lookup has something to draft
+    phrase = ids(99, 12)
+    prompts = [phrase * 3 + ids(i, 4) for i in range(3)]
+    ref, got, engine = compare(model, prompts, {**GREEDY, "max_new_tokens": 40}, oracle=False)
+    assert got == ref
+    assert engine.scheduler.spec.stats.drafted > 0
+
+
+def test_seeded_sampling_n_and_penalties_identical(model):
+    prompts = [ids(20 + i, 12) for i in range(3)]
+    params = [{"temperature": 0.9, "top_p": 0.9, "seed": 5, "max_new_tokens": 16,
+               "ignore_eos": True},
+              {"temperature": 0.7, "seed": 8, "repetition_penalty": 1.3, "max_new_tokens": 20,
+               "ignore_eos": True},
+              {"temperature": 0, "frequency_penalty": 0.8, "presence_penalty": 0.4,
+               "max_new_tokens": 12, "ignore_eos": True}]
+    ref, got, engine = compare(model, prompts, params)
+    assert got == ref and engine.scheduler.spec.stats.accepted > 0
+    # n > 1 (one prompt, several seeded samples) with n-gram drafts
+    n_params = {"temperature": 1.0, "seed": 3, "n": 3, "max_new_tokens": 12, "ignore_eos": True}
+    ref, got, _ = compare(model, [ids(30, 24) * 2], n_params, oracle=False)
+    assert got == ref
+
+
+def test_stop_ids_stop_strings_and_lengths_end_inside_a_draft(model):
+    prompts = [ids(40 + i, 10) for i in range(4)]
+    reference = Engine(model, max_total_tokens=4000).generate(
+        input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
+    stop_id = reference[0]["output_ids"][5]
+    text = reference[1]["text"]
+    stop_str = text[len(text) // 3: len(text) // 3 + 2]
+    params = [{"temperature": 0, "max_new_tokens": 24, "stop_token_ids": [stop_id]},
+              {"temperature": 0, "max_new_tokens": 24, "stop": [stop_str]},
+              {"temperature": 0, "max_new_tokens": 24, "min_new_tokens": 8,
+               "stop_token_ids": [stop_id]},
+              {**GREEDY, "max_new_tokens": 7}]
+    ref, got, _ = compare(model, prompts, params)
+    assert got == ref
+    assert got[0][1] == "stop" and len(got[0][0]) <= 6 and len(got[3][0]) == 7
+
+
+def test_a_retraction_storm_keeps_the_invariant_and_the_outputs(model, caplog):
+    prompts = [ids(i, 20 + i) for i in range(8)]
+    params = {**GREEDY, "max_new_tokens": 40}
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        ref, got, engine = compare(model, prompts, params, max_total_tokens=200,
+                                   schedule_conservativeness=0.1)
+    assert engine.scheduler.counters.retracted_reqs >= 1
+    assert got == ref
+
+
+def test_chunked_prefill_radix_hits_and_pages(model):
+    prompts = [ids(7, 150), ids(8, 5), ids(7, 150)[:100] + ids(9, 20)]
+    params = [{**GREEDY, "max_new_tokens": 12}, {"temperature": 0.8, "seed": 2,
+                                                 "max_new_tokens": 30, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 20}]
+    for kw in ({"chunked_prefill_size": 16}, {"page_size": 4}):
+        ref, got, engine = compare(model, prompts, params, **kw)
+        assert got == ref
+        again = run(engine, prompts, params)  # now from the radix cache
+        assert again == ref
+        assert_all_free(engine)
+
+
+def test_the_cpu_graph_verifies_drafts(tiny_gguf_factory):
+    gguf = tiny_gguf_factory("llama", "Q8_0")
+    prompts = [ids(50 + i, 9 + 4 * i) for i in range(4)]
+    params = [{**GREEDY, "max_new_tokens": 20},
+              {"temperature": 0.8, "seed": 1, "max_new_tokens": 16, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 12, "logprobs": True, "top_logprobs": 2},
+              {**GREEDY, "max_new_tokens": 25}]
+    ref, got, engine = compare(gguf, prompts, params)
+    assert engine.runner.cpu_graph is not None and engine.runner.cpu_graph.replays > 0
+    assert got == ref and engine.scheduler.spec.stats.accepted > 0
+
+
+def test_a_grammar_constrained_request_is_identical(model):
+    from engine.interfaces import Constraint
+
+    regex = Constraint("regex", "(ab|cd)+x", "regex")
+    outs = []
+    for spec in (False, True):
+        kw = {"speculative_algorithm": "NGRAM"} if spec else {}
+        engine = Engine(model, max_total_tokens=1000, **kw)
+        if spec:
+            draft_everything(engine)
+        reqs = (engine.add_request("hello", {"temperature": 0.9, "seed": 4, "max_new_tokens": 30},
+                                   constraint=regex)
+                + engine.add_request(ids(1, 12) * 2, {**GREEDY, "max_new_tokens": 20}))
+        for _ in range(400):
+            if all(r.finished for r in reqs):
+                break
+            engine.step()
+        outs.append([r.output_ids for r in reqs])
+        assert_all_free(engine)
+    assert outs[0] == outs[1]
+
+
+# -- flags -------------------------------------------------------------------------------------
+def test_flags_sglang_and_vllm_spellings_and_clashes(model):
+    from engine.config import EngineConfig
+    from engine.speculative.settings import spec_settings
+
+    def settings(**kw):
+        return spec_settings(EngineConfig(model=model, **kw).validate())
+
+    assert settings() is None
+    s = settings(speculative_algorithm="ngram", speculative_num_draft_tokens=5,
+                 speculative_ngram_min_match_window_size=2,
+                 speculative_ngram_max_match_window_size=6)
+    assert (s.algorithm, s.num_draft_tokens, s.max_drafts, s.ngram_min_match_window,
+            s.ngram_max_match_window) == ("NGRAM", 5, 4, 2, 6)
+    v = settings(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
+                                    '"prompt_lookup_max": 6, "prompt_lookup_min": 2}')
+    assert v == s
+    assert settings(speculative_config={"method": "ngram"}).num_draft_tokens == 8
+    # both spellings agreeing is fine; disagreeing names both
+    assert settings(speculative_algorithm="NGRAM",
+                    speculative_config={"method": "ngram"}).algorithm == "NGRAM"
+    for kw, msg in [
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3,
+          "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+         "--speculative-num-draft-tokens 3 and --speculative-config num_speculative_tokens "
+         "\\+ 1 5 disagree"),
+        ({"speculative_algorithm": "EAGLE", "speculative_config": {"method": "ngram"}},
+         "--speculative-algorithm 'EAGLE' and --speculative-config method 'NGRAM' disagree"),
+        ({"speculative_config": "{not json"}, "must be a JSON object"),
+        ({"speculative_config": {"method": "ngram", "lookahead": 3}}, "unknown key"),
+        ({"speculative_config": {"method": "medusa"}}, "method 'medusa' is not one"),
+        ({"speculative_num_draft_tokens": 4}, "needs --speculative-algorithm"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
+          "speculative_ngram_max_match_window_size": 3}, "is above"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
+         "chains of drafts"),
+        ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True},
+         "with --enable-overlap-schedule is not supported"),
+        ({"speculative_algorithm": "NGRAM", "pp_size": 2}, "with --pp-size > 1"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            settings(**kw)
+
+
+def test_an_algorithm_without_its_plugin_or_with_foreign_flags_is_refused(model):
+    with pytest.raises(UnknownName, match="NGRAM"):  # the installed ones are listed
+        Engine(model, speculative_algorithm="STANDALONE", speculative_draft_model_path=model)
+    with pytest.raises(UnknownName, match="NGRAM"):
+        Engine(model, speculative_algorithm="LOOKAHEAD")
+    with pytest.raises(EngineError, match="--speculative-draft-model-path does not apply"):
+        Engine(model, speculative_algorithm="NGRAM", speculative_draft_model_path=model)
+
+
+def test_the_cli_flags_reach_the_engine(model, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from engine_cli.main import cli
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "input_ids": ' + json.dumps(ids(3, 10) * 3) + '}\n')
+    base = ["generate", "--model", model, "--input", str(inp), "--max-total-tokens", "500",
+            "--temperature", "0", "--max-new-tokens", "12"]
+    runs = []
+    for extra in ([], ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
+                  ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']):
+        out = tmp_path / f"{len(runs)}.jsonl"
+        result = CliRunner().invoke(cli, [*base, "--output", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads(out.read_text())["output_ids"])
+    assert runs[0] == runs[1] == runs[2]
+    result = CliRunner().invoke(cli, [*base, "--output", str(tmp_path / "x.jsonl"),
+                                      "--speculative-algorithm", "NGRAM",
+                                      "--speculative-config", '{"method": "eagle"}'])
+    assert result.exit_code != 0 and "disagree" in result.output
+
+
+# -- the policy --------------------------------------------------------------------------------
+class _R:
+    def __init__(self, rid):
+        self.rid = rid
+
+
+def test_the_policy_drafts_where_it_pays_and_probes_where_it_did_not():
+    p = DraftPolicy(max_drafts=7)
+    for m in (1, 2, 4, 8):  # an extra token costs a fifth of a one-token step
+        for _ in range(10):
+            p.cost.observe(m, 0.010 + 0.002 * (m - 1))
+    reqs = [_R("good"), _R("bad")]
+    good, bad = Draft(list(range(7)), 6), Draft(list(range(7)), 1)
+    for _ in range(20):  # kind 6 (long matches) always right, kind 1 never
+        p.observe(reqs, [good, bad], [7, 3], [7, 0], 12, 0.032)
+    take = p.lengths(reqs, [good, bad])
+    assert take[0] >= 4 and take[1] == 0
+    probes = [p.lengths(reqs, [good, bad])[1] for _ in range(40)]
+    assert 1 <= sum(probes) <= 3  # now and then one draft, to learn again
+    cheap = DraftPolicy(max_drafts=7)  # extra tokens nearly free (a GPU): more drafts pay
+    for m in (1, 2, 4, 8):
+        for _ in range(10):
+            cheap.cost.observe(m, 0.010 + 0.0001 * (m - 1))
+    assert cheap.lengths([_R("new")], [Draft(list(range(7)), 3)])[0] >= 3
+
+
+# -- a real server -----------------------------------------------------------------------------
+def test_engine_serve_with_ngram(model, tmp_path):
+    prompts = [ids(5, 12) * 3, ids(6, 9)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    reference = Engine(model, max_total_tokens=2000).generate(input_ids=prompts,
+                                                              sampling_params=params)
+    server = ServerProcess(["--model", model, "--max-total-tokens", "2000",
+                            "--speculative-algorithm", "NGRAM", "--decode-log-interval", "1"],
+                           tmp_path / "serve.log")
+    try:
+        server.wait_ready(120)
+        r = httpx.post(server.url + "/generate",
+                       json={"input_ids": prompts, "sampling_params": params}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [o["output_ids"] for o in r.json()] == [o["output_ids"] for o in reference]
+        info = httpx.get(server.url + "/get_server_info", timeout=10).json()
+        assert info["speculative"]["algorithm"] == "NGRAM"
+        assert info["speculative_algorithm"] == "NGRAM"
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert "engine:spec_decode_num_draft_tokens_total" in metrics
+        assert "engine:spec_decode_num_accepted_tokens_total" in metrics
+    finally:
+        server.stop()
+    log = server.log()
+    assert "speculative decoding: NGRAM (engine-spec-ngram" in log
+    assert "accept len: " in log
