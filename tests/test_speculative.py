@@ -201,6 +201,68 @@ def test_a_grammar_constrained_request_is_identical(model):
     assert outs[0] == outs[1]
 
 
+# -- STANDALONE: a draft model -----------------------------------------------------------------
+def standalone(model, draft, **kw):
+    return draft_everything(Engine(model, **{"max_total_tokens": 4000,
+                                             "speculative_algorithm": "STANDALONE",
+                                             "speculative_draft_model_path": draft, **kw}))
+
+
+def test_a_draft_model_gives_identical_outputs(model, tiny_model_factory):
+    prompts = [ids(60 + i, 8 + 5 * i) for i in range(4)]
+    params = [{**GREEDY, "max_new_tokens": 24},
+              {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 16, "logprobs": True, "top_logprobs": 2,
+               "frequency_penalty": 0.5},
+              {**GREEDY, "max_new_tokens": 30}]
+    ref = run(Engine(model, max_total_tokens=4000), prompts, params)
+    # the target as its own draft: greedy drafts all accepted (where the target samples
+    # greedily); a different small model: mostly rejected. Both give the target's outputs.
+    other = tiny_model_factory("llama", num_hidden_layers=1, seed=7)
+    for draft, least in ((model, 2.0), (other, 1.0)):
+        engine = standalone(model, draft)
+        got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+        assert got == ref
+        assert engine.scheduler.spec.stats.accept_length >= least
+        assert_all_free(engine)
+    drafter = engine.scheduler.spec.drafter
+    assert not drafter.state and drafter.pool.free_slots == drafter.pool.size  # all released
+
+
+def test_a_draft_model_through_a_retraction_storm(model):
+    prompts = [ids(i, 20 + i) for i in range(8)]
+    params = {**GREEDY, "max_new_tokens": 40}
+    kw = {"max_total_tokens": 200, "schedule_conservativeness": 0.1}
+    ref = run(Engine(model, **kw), prompts, params)
+    engine = standalone(model, model, **kw)
+    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+    assert engine.scheduler.counters.retracted_reqs >= 1 and got == ref
+
+
+def test_a_draft_model_is_refused_with_the_reason(model, tiny_model_factory):
+    with pytest.raises(EngineError, match="needs --speculative-draft-model-path"):
+        Engine(model, speculative_algorithm="STANDALONE")
+    with pytest.raises(EngineError, match="--speculative-num-steps 2 and "
+                                          "--speculative-num-draft-tokens 5 disagree"):
+        Engine(model, speculative_algorithm="STANDALONE", speculative_draft_model_path=model,
+               speculative_num_steps=2, speculative_num_draft_tokens=5)
+    with pytest.raises(EngineError, match="--speculative-ngram-\\* flags are NGRAM's"):
+        Engine(model, speculative_algorithm="STANDALONE", speculative_draft_model_path=model,
+               speculative_ngram_max_match_window_size=4)
+    with pytest.raises(EngineError, match="vocabulary \\(1024 tokens\\) is larger"):
+        Engine(model, speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=tiny_model_factory("llama", vocab_size=1024))
+    with pytest.raises(EngineError, match="--speculative-draft-model-path: Model path "
+                                          "'/nonexistent/draft' does not exist"):
+        Engine(model, speculative_algorithm="STANDALONE",
+               speculative_draft_model_path="/nonexistent/draft")
+    # vLLM's spelling: a model and no method is a draft model
+    engine = Engine(model, max_total_tokens=500,
+                    speculative_config={"model": model, "num_speculative_tokens": 3})
+    assert engine.spec_settings.algorithm == "STANDALONE"
+    assert engine.scheduler.spec.settings.max_drafts == 3
+
+
 # -- flags -------------------------------------------------------------------------------------
 def test_flags_sglang_and_vllm_spellings_and_clashes(model):
     from engine.config import EngineConfig
@@ -215,6 +277,7 @@ def test_flags_sglang_and_vllm_spellings_and_clashes(model):
                  speculative_ngram_max_match_window_size=6)
     assert (s.algorithm, s.num_draft_tokens, s.max_drafts, s.ngram_min_match_window,
             s.ngram_max_match_window) == ("NGRAM", 5, 4, 2, 6)
+    assert settings(speculative_algorithm="NGRAM").ngram_min_match_window is None  # not given
     v = settings(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
                                     '"prompt_lookup_max": 6, "prompt_lookup_min": 2}')
     assert v == s
@@ -248,7 +311,7 @@ def test_flags_sglang_and_vllm_spellings_and_clashes(model):
 
 def test_an_algorithm_without_its_plugin_or_with_foreign_flags_is_refused(model):
     with pytest.raises(UnknownName, match="NGRAM"):  # the installed ones are listed
-        Engine(model, speculative_algorithm="STANDALONE", speculative_draft_model_path=model)
+        Engine(model, speculative_algorithm="EAGLE", speculative_draft_model_path=model)
     with pytest.raises(UnknownName, match="NGRAM"):
         Engine(model, speculative_algorithm="LOOKAHEAD")
     with pytest.raises(EngineError, match="--speculative-draft-model-path does not apply"):

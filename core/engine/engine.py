@@ -115,10 +115,11 @@ class Engine:
         self.scheduler = make_scheduler(config, self.runner, pool, sizing, resolved.policy,
                                         self.eos_token_ids)
         if self.spec_entry is not None:  # --speculative-algorithm (engine/speculative)
-            from engine.speculative.build import make_spec_decoder
+            from engine.speculative.build import draft_model_loader, make_spec_decoder
 
-            self.scheduler.spec = make_spec_decoder(self.spec_entry, self.spec_settings,
-                                                    self.runner, sizing.context_length)
+            self.scheduler.spec = make_spec_decoder(
+                self.spec_entry, self.spec_settings, self.runner, sizing.context_length,
+                draft_model_loader(config, regs, self.device, resolved, sizing))
         for line in start_lines(self, resolved):
             logger.info(line)
 

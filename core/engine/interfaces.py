@@ -292,11 +292,16 @@ class DraftContext:
     with: the engine's speculative settings (an :class:`engine.speculative.SpecSettings`:
     ``algorithm``, ``num_draft_tokens``, ``num_steps``, ``eagle_topk``, ``draft_model_path``,
     ``ngram_min_match_window``, ``ngram_max_match_window``, ``ngram_max_bfs_breadth``), the
-    model's vocabulary size (its logits width) and the device the target runs on."""
+    model's vocabulary size (its logits width), the device the target runs on and a loader of
+    draft models."""
 
     settings: Any
     vocab_size: int
     device: Any
+    #: ``load_model(path) -> ModelRunner``: a draft model on the target's device, dtype and
+    #: attention backend, with its own KV pool (sized like the target's), ready to forward;
+    #: what a model-based drafter (engine.speculative.ModelDrafter) drafts with
+    load_model: Any = None
 
 
 class Drafter(ABC):

@@ -2,8 +2,10 @@
 (policy.py: acceptance and cost, so speculation pays or stays off) and the verify step
 (verify.py: one target forward over every running request's drafts, the tokens sampled
 position by position exactly as without drafts, the KV of rejected drafts left to be
-overwritten). Drafters are plugins (``register_speculative_algorithms``)."""
+overwritten) and the model-based drafter that plugins build on (draft_model.py:
+``ModelDrafter``). Drafters are plugins (``register_speculative_algorithms``)."""
 
+from engine.speculative.draft_model import ModelDrafter
 from engine.speculative.settings import SpecConfigError, SpecSettings, spec_settings
 
-__all__ = ["SpecConfigError", "SpecSettings", "spec_settings"]
+__all__ = ["ModelDrafter", "SpecConfigError", "SpecSettings", "spec_settings"]

@@ -25,12 +25,45 @@ def resolve_speculative(regs, config):
     return entry, settings
 
 
-def make_spec_decoder(entry, settings: SpecSettings, runner, context_length: int):
-    """The scheduler's SpecDecoder over the drafter ``entry`` builds."""
+def make_spec_decoder(entry, settings: SpecSettings, runner, context_length: int,
+                      load_model=None):
+    """The scheduler's SpecDecoder over the drafter ``entry`` builds (``load_model``: what
+    the DraftContext loads draft models with, see ``draft_model_loader``)."""
     from engine.speculative.verify import SpecDecoder
 
-    ctx = DraftContext(settings, runner.model_config.vocab_size, runner.device.torch_device)
+    ctx = DraftContext(settings, runner.model_config.vocab_size, runner.device.torch_device,
+                       load_model)
     return SpecDecoder(entry.obj(ctx), settings, context_length)
+
+
+def draft_model_loader(config, regs, device, resolved, sizing):
+    """``load_model(path)``: a draft model's runner on the target's device, dtype and attention
+    backend, with a KV pool of the target's size and request rows (its CPU graph where one
+    applies)."""
+
+    def load_model(path: str):
+        from engine.cpu_graph.replay import build_cpu_graph
+        from engine.models.checkpoint import open_checkpoint
+        from engine.runner import build_runner
+
+        if config.tp_size * config.pp_size > 1:
+            raise EngineError("a draft model with --tp-size or --pp-size > 1 is not supported "
+                              "yet: serve the target on one process for now")
+        try:
+            ckpt = open_checkpoint(path)
+        except EngineError as e:  # already says what to give
+            raise EngineError(f"--speculative-draft-model-path: {e}") from None
+        except (OSError, ValueError) as e:
+            raise EngineError(f"--speculative-draft-model-path {path}: cannot open it as a "
+                              f"checkpoint ({e}); give an HF directory or a .gguf file") from None
+        runner = build_runner(config, ckpt, regs, device, resolved.attention, resolved.kv,
+                              None)
+        runner.init_kv_pool(sizing.max_total_tokens, config.page_size,
+                            sizing.max_running_requests, sizing.context_length)
+        build_cpu_graph(runner, config, device)
+        return runner
+
+    return load_model
 
 
 def spec_line(spec, entry) -> str:

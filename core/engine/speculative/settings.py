@@ -33,9 +33,10 @@ class SpecSettings:
     num_steps: int | None = None
     eagle_topk: int | None = None
     draft_model_path: str | None = None
-    ngram_min_match_window: int = 1
-    ngram_max_match_window: int = 12
-    ngram_max_bfs_breadth: int = 1
+    # None: not given (NGRAM's defaults: 1 and 12); another algorithm refuses them given
+    ngram_min_match_window: int | None = None
+    ngram_max_match_window: int | None = None
+    ngram_max_bfs_breadth: int | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -125,10 +126,9 @@ def spec_settings(config) -> SpecSettings | None:
     hi = _pick("--speculative-ngram-max-match-window-size",
                config.speculative_ngram_max_match_window_size,
                "--speculative-config prompt_lookup_max", v.get("prompt_lookup_max"))
-    lo, hi = (1 if lo is None else lo), (12 if hi is None else hi)
     _positive("--speculative-ngram-min-match-window-size", lo)
     _positive("--speculative-ngram-max-match-window-size", hi)
-    if lo > hi:
+    if (lo or 1) > (hi or 12):
         raise SpecConfigError(f"--speculative-ngram-min-match-window-size {lo} is above "
                               f"--speculative-ngram-max-match-window-size {hi}")
     for flag, value in (("--speculative-num-steps", config.speculative_num_steps),
@@ -147,7 +147,7 @@ def spec_settings(config) -> SpecSettings | None:
     if problem:
         raise SpecConfigError(problem)
     return SpecSettings(algo, n, config.speculative_num_steps, config.speculative_eagle_topk,
-                        path, lo, hi, config.speculative_ngram_max_bfs_breadth or 1)
+                        path, lo, hi, config.speculative_ngram_max_bfs_breadth)
 
 
 def incompatibility(config) -> str | None:

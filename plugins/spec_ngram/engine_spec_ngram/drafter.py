@@ -38,7 +38,7 @@ class NgramDrafter(Drafter):
                 raise EngineError(f"{flag} does not apply to --speculative-algorithm NGRAM "
                                   f"(it drafts by lookup, with no draft model): drop it, or "
                                   f"choose an algorithm that uses it (STANDALONE, EAGLE)")
-        return cls(s.ngram_min_match_window, s.ngram_max_match_window)
+        return cls(s.ngram_min_match_window or 1, s.ngram_max_match_window or 12)
 
     def describe(self) -> str:
         return f"match window {self.min_window}-{self.max_window} tokens"

@@ -1,0 +1,113 @@
+"""Drafts from a smaller model (SGLang's STANDALONE, vLLM's "draft_model"): a second
+ModelRunner with its own paged KV pool, greedy chains. Each step, for every request asked: the
+draft's KV is cut back to the longest prefix it computed that is still the request's sequence
+(a rejected draft's positions are simply overwritten), one extend catches it up to the
+request's last token, and ``k - 1`` decode steps give the rest of the chain, all requests
+batched together. A request whose draft rows cannot be had (its pool full) gets no draft
+this step; its output is unaffected, as with any draft."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import EngineError
+from engine.forward_batch import ForwardBatch
+from engine.interfaces import Draft, Drafter
+
+
+class _State:
+    __slots__ = ("row", "fed", "alloc")
+
+    def __init__(self, row: int):
+        self.row, self.fed, self.alloc = row, [], 0  # fed: the tokens whose K/V it holds
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafter(Drafter):
+    """Greedy chain drafts of ``runner`` (its ``kv_pool`` initialized), whose vocabulary must
+    be the target's (``vocab_size``: the target's logits width)."""
+
+    def __init__(self, runner, vocab_size: int, name: str = "draft model"):
+        self.runner, self.pool, self.name = runner, runner.kv_pool, name
+        draft_vocab = runner.model_config.vocab_size
+        if draft_vocab > vocab_size:
+            raise EngineError(
+                f"the {name}'s vocabulary ({draft_vocab} tokens) is larger than the target's "
+                f"({vocab_size}): a draft model must share the target's tokenizer")
+        self.state: dict[str, _State] = {}
+
+    def describe(self) -> str:
+        mc = self.runner.model_config
+        return (f"{self.name} {mc.architecture}, {mc.num_layers} layers, its own KV pool of "
+                f"{self.pool.size} tokens")
+
+    def release(self, rid: str) -> None:
+        st = self.state.pop(rid, None)
+        if st is not None:
+            if st.alloc:
+                self.pool.free_slots_of(self.pool.host_table[st.row, :st.alloc])
+            self.pool.free_req(st.row)
+
+    def _room(self, st: _State, upto: int) -> bool:
+        """Slots for positions [0, upto) of the request's draft row."""
+        if upto <= st.alloc:
+            return True
+        if upto > self.pool.max_context_len:
+            return False
+        if self.pool.extend_slots(st.row, st.alloc, upto - st.alloc) is None:
+            return False
+        st.alloc = upto
+        return True
+
+    def propose(self, reqs: list, max_tokens: list[int]) -> list[Draft]:
+        out = [Draft([], 0) for _ in reqs]
+        live, ids, prefix = [], [], []  # the requests drafted this step and their catch-up
+        for i, (r, k) in enumerate(zip(reqs, max_tokens)):
+            if k <= 0:
+                continue
+            st = self.state.get(r.rid)
+            if st is None:
+                row = self.pool.alloc_req()
+                if row is None:
+                    continue
+                st = self.state[r.rid] = _State(row)
+            seq = r.prompt_ids + r.output_ids
+            keep = min(_common_prefix(st.fed, seq), len(seq) - 1)
+            if not self._room(st, len(seq) + k - 1):
+                continue
+            del st.fed[keep:]
+            live.append((i, st, k))
+            ids.append(seq[keep:])
+            prefix.append(keep)
+            st.fed.extend(seq[keep:])
+        if not live:
+            return out
+        table = self.pool.req_to_token
+        rows = [st.row for _, st, _ in live]
+        with torch.inference_mode():
+            batch = ForwardBatch.build(ids, prefix, rows, None, table, device=table.device)
+            tokens = self.runner.forward(batch).argmax(-1).tolist()
+            drafts = [[t] for t in tokens]
+            step = 1
+            active = [j for j, (_, _, k) in enumerate(live) if k > 1]
+            while active:  # the chain's next tokens, one decode step each
+                lens = [len(live[j][1].fed) for j in active]
+                batch = ForwardBatch.decode([drafts[j][-1] for j in active], lens,
+                                            [rows[j] for j in active], table,
+                                            device=table.device)
+                tokens = self.runner.forward(batch).argmax(-1).tolist()
+                for j, t in zip(active, tokens):
+                    live[j][1].fed.append(drafts[j][-1])
+                    drafts[j].append(t)
+                step += 1
+                active = [j for j in active if live[j][2] > step]
+        for (i, _, _), d in zip(live, drafts):
+            out[i] = Draft(d, 0)
+        return out
