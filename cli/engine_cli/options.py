@@ -158,6 +158,35 @@ ENGINE_OPTIONS = [
                  help="Prompt tokens per step (-1: no chunking).  [default: per device]"),
     click.option("--max-prefill-tokens", default=_D.max_prefill_tokens, type=int),
     click.option("--disable-radix-cache", is_flag=True, help="No prefix sharing."),
+    click.option("--enable-hierarchical-cache", is_flag=True,
+                 help="HiCache: radix-cache prefixes evicted from the KV pool are kept in a "
+                      "host-memory pool (and with --hicache-storage-backend in storage) and "
+                      "loaded back when a request's prefix matches them."),
+    click.option("--hicache-ratio", default=_D.hicache_ratio, type=float, show_default=True,
+                 help="The host pool's size as a multiple of the device KV pool's."),
+    click.option("--hicache-size", default=_D.hicache_size, type=float,
+                 help="The host pool's size in GiB (overrides --hicache-ratio; 0: the ratio "
+                      "decides)."),
+    click.option("--hicache-write-policy", default=_D.hicache_write_policy, show_default=True,
+                 type=click.Choice(["write_through", "write_through_selective", "write_back"]),
+                 help="When a prefix is copied to the host pool: when it is cached, once it was "
+                      "hit twice, or when it is evicted from the device pool."),
+    click.option("--hicache-storage-backend", type=RegistryChoice("hicache_storage"),
+                 help="A third tier under the host pool: pages keyed by the hash chain of "
+                      "their tokens, shared by servers that share the store and kept across "
+                      "restarts (file: a directory).  [default: none]"),
+    click.option("--hicache-storage-prefetch-policy", show_default=True,
+                 default=_D.hicache_storage_prefetch_policy,
+                 type=click.Choice(["best_effort", "wait_complete", "timeout"]),
+                 help="A request whose prefix is in storage: admitted with what was read so "
+                      "far, held (alone) until it is all read, or held at most 1 s + 0.25 s "
+                      "per 1024 tokens."),
+    click.option("--hicache-storage-dir",
+                 help="The file backend's directory.  [default: "
+                      "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache]"),
+    click.option("--enable-cache-report", is_flag=True,
+                 help="Log the prefill line's #cached-token per tier (device, host, storage) "
+                      "and a periodic line with each tier's hit rate."),
     click.option("--decode-log-interval", default=_D.decode_log_interval, type=int),
     click.option("--enable-overlap-schedule", "--enable-overlap-scheduler",
                  "enable_overlap_schedule", is_flag=True,

@@ -21,6 +21,7 @@ SECTIONS = (
     ("speculative", "Speculative algorithms (--speculative-algorithm)"),
     ("tool_parsers", "Tool-call parsers (--tool-call-parser)"),
     ("reasoning_parsers", "Reasoning parsers (--reasoning-parser)"),
+    ("hicache_storage", "HiCache storage backends (--hicache-storage-backend)"),
     ("models", "Model architectures"),
 )
 

@@ -41,6 +41,18 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # None: per-device default; -1 disables chunking
     max_prefill_tokens: int = _DEFAULT_MAX_PREFILL_TOKENS
     disable_radix_cache: bool = False
+    # HiCache (engine/hicache): radix nodes evicted from the device KV pool kept in a host pool
+    # (hicache_ratio x the device pool, or hicache_size GiB), and with a storage backend in a
+    # third tier keyed by each page's token hash chain (SGLang's flags and defaults)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0  # GiB; 0: hicache_ratio decides
+    hicache_write_policy: str = "write_through"  # | write_through_selective | write_back
+    hicache_storage_backend: str | None = None  # a register_hicache_storage name (file)
+    hicache_storage_prefetch_policy: str = "best_effort"  # | wait_complete | timeout
+    hicache_storage_dir: str | None = None  # None: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR
+    # the prefill line's #cached-token per tier and a periodic hit-rate line per tier
+    enable_cache_report: bool = False
     decode_log_interval: int = 40
     max_queued_requests: int | None = None
     # the server renders a chat template sent with a request (vLLM's flag; off: refused)
@@ -155,6 +167,7 @@ class EngineConfig:
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         self._check_parallel(need)
+        self._check_hicache(need)
         need(not (self.enable_overlap_schedule and self.disable_overlap_schedule),
              "--enable-overlap-schedule and --disable-overlap-schedule contradict each other; "
              "give one of them (off is the default).")
@@ -183,6 +196,11 @@ class EngineConfig:
         need(not (self.enable_piecewise_cuda_graph and self.enable_torch_compile),
              "--enable-piecewise-cuda-graph with --enable-torch-compile is not supported: the "
              "pieces run the eager layers, not the compiled decoder; drop one of them.")
+
+    def _check_hicache(self, need) -> None:
+        from engine.hicache.settings import check_hicache
+
+        check_hicache(self, need)
 
     def _check_parallel(self, need) -> None:
         from engine.parallel.topology import Topology

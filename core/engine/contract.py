@@ -44,6 +44,7 @@ HOOK_REGISTRY = {
     "register_linear_kernels": "linear_kernels",
     "register_speculative_algorithms": "speculative", "register_tool_parsers": "tool_parsers",
     "register_reasoning_parsers": "reasoning_parsers",
+    "register_hicache_storage": "hicache_storage",
 }
 
 

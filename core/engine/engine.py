@@ -47,6 +47,7 @@ class Engine:
                                      resolve_grammar_backend, resolve_kv_dtype,
                                      resolve_parallel_strategy, resolve_parser,
                                      resolve_policy, resolve_quantization)
+        from engine.hicache.build import resolve_storage
         from engine.speculative.build import resolve_speculative
 
         config = self.config
@@ -57,6 +58,7 @@ class Engine:
         self.tool_parser = resolve_parser(regs.tool_parsers, config.tool_call_parser)
         self.reasoning_parser = resolve_parser(regs.reasoning_parsers, config.reasoning_parser)
         self.spec_entry, self.spec_settings = resolve_speculative(regs, config)
+        self.hicache_storage = resolve_storage(regs, config)  # --hicache-storage-backend
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)
@@ -113,7 +115,7 @@ class Engine:
         self.grammar = build_compiler(self.grammar_entry, self.tokenizer,
                                       self.runner.model_config.vocab_size)
         self.scheduler = make_scheduler(config, self.runner, pool, sizing, resolved.policy,
-                                        self.eos_token_ids)
+                                        self.eos_token_ids, self.hicache_storage)
         if self.spec_entry is not None:  # --speculative-algorithm (engine/speculative)
             from engine.speculative.build import draft_model_loader, make_spec_decoder
 
@@ -229,6 +231,9 @@ class Engine:
         afterwards)."""
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.close()
+        storage = getattr(self.scheduler.kv.cache, "storage", None)
+        if storage is not None:  # HiCache: the pages queued for storage are written first
+            storage.close()
         close = getattr(self.runner, "close", None)
         if self.parallel is not None and close is not None:
             close()

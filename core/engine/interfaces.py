@@ -30,6 +30,18 @@ class AttentionLayerSpec:
     head_dim: int
     scaling: float
     sliding_window: int | None = None  # attend to at most this many most recent keys
+    # multi-head latent attention (DeepSeek-V2/V3's MLA; 0: none). The pool then holds one row
+    # of ``head_dim`` values per token (num_kv_heads 1): the compressed latent, its first
+    # ``kv_lora_rank`` values, then the rotated rope key; there is no separate V. Queries come
+    # in the latent space (W_UK absorbed, ``head_dim`` wide), the keys are the rows, the values
+    # the rows' first ``kv_lora_rank`` values, and the output is ``kv_lora_rank`` wide per head
+    # (the model applies W_UV after). See ``AttentionBackend.forward_latent``.
+    kv_lora_rank: int = 0
+
+    def kv_values_per_token(self) -> int:
+        """Values one token keeps in the pool for this layer: K and V per KV head, or the
+        latent row of an MLA layer."""
+        return self.num_kv_heads * self.head_dim * (1 if self.kv_lora_rank else 2)
 
 
 @dataclass
@@ -68,6 +80,15 @@ class AttentionBackend(ABC):
     ) -> "torch.Tensor":
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for the T new tokens.
         Stores k/v in the pool and returns [T, num_heads, head_dim]."""
+
+    def forward_latent(self, q: "torch.Tensor", latent: "torch.Tensor", layer_id: int,
+                       batch: "ForwardBatch") -> "torch.Tensor":
+        """An MLA layer (``AttentionLayerSpec.kv_lora_rank``): q [T, num_heads, head_dim] in
+        the latent space, latent [T, 1, head_dim] the new tokens' rows. Stores the rows in the
+        pool (``KVPool.set_latent``) and returns [T, num_heads, kv_lora_rank]: each head's
+        softmax(q . rows * scaling) over the rows' first kv_lora_rank values. A backend that
+        implements it registers with ``mla=True``; the others are never handed an MLA model."""
+        raise NotImplementedError(f"{type(self).__name__} has no MLA attention")
 
     # -- CUDA graphs (decode batches; see cuda_graph.py) ----------------------------------------
     # A backend that can run inside a captured graph sets ``supports_cuda_graph`` and implements
@@ -321,4 +342,41 @@ class Drafter(ABC):
 
     def describe(self) -> str:
         """One line for the start log (its settings)."""
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class HiCacheStorageContext:
+    """What a HiCache storage backend's factory (``register_hicache_storage``, contract 1.4) is
+    built with: ``directory`` (--hicache-storage-dir, else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR,
+    else /tmp/hicache; a backend that is no directory may ignore it), ``identity`` (the model,
+    dtypes and page sizes every page records; the core checks it on every read) and
+    ``options`` (the backend plugin's own ``--plugin-option``s)."""
+
+    directory: str
+    identity: dict
+    options: dict = field(default_factory=dict)
+
+
+class HiCacheStorage(ABC):
+    """The storage tier of ``--enable-hierarchical-cache``: opaque pages of bytes under string
+    keys (the hash chain of a prefix's pages: servers that share a store share prefixes). The
+    core encodes and checks pages (identity, tokens, checksum), so a backend stores bytes as
+    given. Called from the core's background threads (one writer, one reader): a backend
+    must be thread-safe. ``get`` of a missing key returns None; a failing store raises."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The bytes stored under ``key``, or None."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (a reader never sees half a page: write, then publish)."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (cheap: asked for each page of a prefix)."""
+
+    def describe(self) -> str:
+        """One line for the start log (where the pages go)."""
         return type(self).__name__

@@ -105,18 +105,27 @@ def eos_ids(model_config, tokenizer) -> set[int]:
     return ids
 
 
-def make_scheduler(config, runner, pool, sizing, policy_entry: Entry, eos_token_ids):
-    """The scheduler over ``pool`` and the prefix cache, with its overlap worker under
+def make_scheduler(config, runner, pool, sizing, policy_entry: Entry, eos_token_ids,
+                   hicache_storage: Entry | None = None):
+    """The scheduler over ``pool`` and the prefix cache (with --enable-hierarchical-cache its
+    host and storage tiers: engine/hicache), with its overlap worker under
     --enable-overlap-schedule; each step's stats go to the step_finished observers."""
+    from engine.hicache.report import TierStats
     from engine.memory.radix_cache import RadixCache
     from engine.plugins import call_observers, pm
     from engine.scheduler.kv import KVManager
     from engine.scheduler.scheduler import Scheduler
 
-    cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
-                                                               config.page_size)
+    stats = TierStats()
+    if config.enable_hierarchical_cache:
+        from engine.hicache.build import build_hicache
+
+        cache = build_hicache(config, runner, pool, hicache_storage, stats)
+    else:
+        cache = None if config.disable_radix_cache else RadixCache(pool.free_slots_of,
+                                                                   config.page_size)
     scheduler = Scheduler(
-        runner, KVManager(pool, cache), policy_entry.obj(config),
+        runner, KVManager(pool, cache, stats), policy_entry.obj(config),
         policy_entry.extra["cache_aware"], sizing, config, eos_token_ids,
         runner.model_config.vocab_size,
         on_step=lambda stats: call_observers(pm.hook.step_finished, stats=stats))
@@ -151,6 +160,10 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
                  f"schedule: {'on' if config.enable_overlap_schedule else 'off'}")
     lines.append(grammar_line(engine.grammar_entry, config.grammar_backend))
     lines += engine.sizing.lines()
+    if config.enable_hierarchical_cache:
+        from engine.hicache.build import hicache_line
+
+        lines.append(hicache_line(engine.scheduler.kv.cache))
     if engine.parallel is not None:
         lines.append(runner.describe())
     lines += [engine.cuda_graph, engine.piecewise_cuda_graph]

@@ -37,6 +37,9 @@ class StepStats:
     extra_info: dict = None
     # speculative decoding's cumulative counts (engine.speculative.verify.SpecStats; None: off)
     spec: object = None
+    # --enable-cache-report: the prompt tokens served per tier, this step's and since start
+    # (engine.hicache.report.TierStats; None: off)
+    cache_tiers: object = None
 
     @property
     def token_usage(self) -> float:
@@ -75,7 +78,9 @@ class StatLogger:
     def prefill(self, s: StepStats) -> None:
         logger.info(
             f"Prefill batch. #new-seq: {s.new_seqs}, #new-token: {s.new_tokens}, "
-            f"#cached-token: {s.cached_tokens}, token usage: {s.token_usage:.2f}, "
+            f"#cached-token: {s.cached_tokens}"
+            f"{s.cache_tiers.step_line() if s.cache_tiers is not None else ''}, "
+            f"token usage: {s.token_usage:.2f}, "
             f"#running-req: {s.num_running_reqs}, #queue-req: {s.num_queue_reqs}")
 
     def decode(self, s: StepStats) -> None:
@@ -97,6 +102,9 @@ class StatLogger:
             f"token usage: {s.token_usage:.2f}, {accept}cuda graph: {s.cuda_graph}, "
             f"gen throughput (token/s): {s.gen_throughput:.2f}, "
             f"#queue-req: {s.num_queue_reqs}")
+        if s.cache_tiers is not None:  # --enable-cache-report's periodic line
+            logger.info(s.cache_tiers.report_line(s.totals.prompt_tokens,
+                                                  s.totals.cached_tokens))
 
     def retraction(self, rids: list[str], old: float, new: float) -> None:
         """SGLang's line for the step, and vLLM's warning for every 50th preempted request (as

@@ -17,7 +17,10 @@ _tick = itertools.count()
 
 
 class Node:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+    # host_value / hit_count: HiCache's (engine/hicache/tree.py): the node's host-tier slots,
+    # and how often it was hit (--hicache-write-policy write_through_selective)
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "host_value",
+                 "hit_count")
 
     def __init__(self, key=(), value=None, parent=None):
         self.key: tuple[int, ...] = tuple(key)
@@ -26,6 +29,8 @@ class Node:
         self.parent: Node | None = parent
         self.lock_ref = 0
         self.last_access = next(_tick)
+        self.host_value: torch.Tensor | None = None
+        self.hit_count = 0
 
 
 class Inserted(NamedTuple):

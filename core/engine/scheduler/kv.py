@@ -3,9 +3,11 @@
 A request's KV state is five fields on ``Req`` (``row``, ``kv_len``, ``alloc_len``,
 ``cached_len``, ``last_node``); only this class writes them, through these operations:
 
-- ``match(req)``: the longest cached prefix of its sequence (changes no request).
-- ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache) plus
-  slots for ``n`` more tokens; all or nothing.
+- ``match(req)``: the longest cached prefix of its sequence (changes no request); with HiCache
+  (engine/hicache) it may continue in the host tier and in storage (``Prefix.loads``).
+- ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache; a
+  part in the host tier or storage loaded back into the pool first) plus slots for ``n`` more
+  tokens; all or nothing.
 - ``grow(req, n)``: slots for a prompt chunk; ``grow_decodes(reqs)``: one slot each, in one go.
 - ``computed(decodes, chunks)``: the forward wrote their K/V; full prompt pages are cached;
   ``computed_to(req, n)``: a verify step's accepted drafts.
@@ -22,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.hicache.report import TierStats
 from engine.memory.kv_pool import KVPool
 from engine.memory.radix_cache import RadixCache
 from engine.scheduler.request import Req
@@ -34,16 +37,43 @@ class DecodeSlots(NamedTuple):
     slots: torch.Tensor  # the slots (the pool's index dtype, on the table's device)
 
 
+class Loads(NamedTuple):
+    """What continues a match past the device pool (HiCache): host-only radix nodes, then
+    storage pages read ahead ((position of the page's first token, PageKV), in order)."""
+    host_nodes: list
+    host_len: int
+    storage_pages: list
+    storage_len: int
+
+    @property
+    def length(self) -> int:
+        return self.host_len + self.storage_len
+
+
 class Prefix(NamedTuple):
     slots: torch.Tensor  # the cached slots of the request's leading tokens
     node: object  # the radix node ending there (None without a cache)
+    loads: Loads | None = None  # HiCache: the match's continuation in the host tier / storage
+    wait: bool = False  # its storage prefetch holds the request back for now
+
+    @property
+    def loading(self) -> int:
+        """Tokens to load back into the pool at admission (they need slots, not compute)."""
+        return self.loads.length if self.loads is not None else 0
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens the match serves, from every tier."""
+        return len(self.slots) + self.loading
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, cache: RadixCache | None):
+    def __init__(self, pool: KVPool, cache: RadixCache | None, stats: TierStats | None = None):
         self.pool = pool
-        self.cache = cache
+        self.cache = cache  # a RadixCache, or HiCache's HiRadixCache (engine/hicache/tree.py)
         self.page = pool.page_size
+        self.stats = stats or TierStats()  # hits per tier (and HiCache's bytes moved)
+        self.tiered = hasattr(cache, "match_tiers")
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -83,7 +113,7 @@ class KVManager:
         assert pool.free_slots + owned + cached == pool.size, (pool.free_slots, owned, cached)
         assert pool.free_reqs + len(running) == pool.max_reqs
         if cache:
-            cache.check_integrity()
+            cache.check_integrity()  # HiCache's: also the host tier's free + cached = total
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:
         """Free slots that ``grow_decodes(reqs)`` takes."""
@@ -97,7 +127,19 @@ class KVManager:
         if self.cache is None or req.scores_prompt:
             return Prefix(torch.empty(0, dtype=torch.int64), None)
         # the last token always goes through the model: its logits are needed to sample
-        return Prefix(*self.cache.match_prefix(req.seq[: req.seq_len - 1]))
+        key = req.seq[: req.seq_len - 1]
+        if not self.tiered:
+            return Prefix(*self.cache.match_prefix(key))
+        slots, node, host_nodes = self.cache.match_tiers(key)
+        host_len = sum(len(n.key) for n in host_nodes)
+        storage = self.cache.storage
+        found = (storage.match(req.rid, key, len(slots) + host_len) if storage is not None
+                 else None)
+        stored, wait = (found.length, found.wait) if found is not None else (0, False)
+        if not host_nodes and not stored and not wait:
+            return Prefix(slots, node)
+        loads = Loads(host_nodes, host_len, found.pages if stored else [], stored)
+        return Prefix(slots, node, loads, wait)
 
     def admit(self, req: Req, prefix: Prefix, n: int) -> bool:
         """Give ``req`` a request row holding ``prefix`` (locked) and slots for ``n`` more
@@ -105,6 +147,16 @@ class KVManager:
         row = self.pool.alloc_req()
         if row is None:
             return False
+        matched = prefix
+        if prefix.loading:
+            prefix = self._load(req, prefix)
+            if prefix is None:
+                self.pool.free_req(row)
+                return False
+        if self.tiered:
+            self.cache.record_hit(prefix.node)
+            if self.cache.storage is not None:
+                self.cache.storage.admitted(req.rid)
         req.row = row
         k = len(prefix.slots)
         if k:
@@ -116,7 +168,57 @@ class KVManager:
         if not self.grow(req, n):
             self.retract(req)
             return False
+        if req.num_retractions == 0:  # (a retracted request was counted the first time)
+            self._count_hits(matched)
         return True
+
+    def _count_hits(self, prefix: Prefix) -> None:
+        loads = prefix.loads
+        self.stats.hit("device", len(prefix.slots))
+        self.stats.hit("host", loads.host_len if loads else 0)
+        self.stats.hit("storage", loads.storage_len if loads else 0)
+
+    def _load(self, req: Req, prefix: Prefix) -> Prefix | None:
+        """HiCache: the prefix's host-only nodes and storage pages loaded into the pool (slots
+        made free by evicting, the device part locked meanwhile); the prefix as the pool now
+        holds it, or None (nothing loaded) when the slots cannot be freed."""
+        cache, loads = self.cache, prefix.loads
+        cache.inc_lock(prefix.node)
+        cache.pin(loads.host_nodes)
+        try:
+            if not self.ensure_free(loads.length):
+                return None
+            slots = self.pool.alloc_pages(loads.length // self.page)
+            if self.page > 1:
+                slots = (slots[:, None] * self.page + torch.arange(self.page)).reshape(-1)
+            host, stored = slots[: loads.host_len], slots[loads.host_len:]
+            cache.load_back(loads.host_nodes, host)
+            node = loads.host_nodes[-1] if loads.host_nodes else prefix.node
+            held = torch.cat([prefix.slots, host])
+            if loads.storage_len:
+                self._load_pages(loads.storage_pages, len(held), stored)
+                node, held = cache.insert(req.seq[: len(held) + len(stored)],
+                                          torch.cat([held, stored]))[1:]
+            return Prefix(held, node)
+        finally:
+            cache.unpin()
+            cache.dec_lock(prefix.node)
+
+    def _load_pages(self, pages: list, start: int, slots: torch.Tensor) -> None:
+        """Storage pages' K/V into the pool's ``slots``, from position ``start`` on (the first
+        page may begin before it: the tree already held its head)."""
+        pool, done, moved = self.pool, 0, 0
+        idx = slots.to(pool.k_buffer[0].device, torch.int64)
+        for pos, page in pages:
+            off = max(start - pos, 0)
+            n = len(page.k[0]) - off
+            rows = idx[done: done + n]
+            for bufs, tensors in ((pool.k_buffer, page.k), (pool.v_buffer, page.v)):
+                for buf, t in zip(bufs, tensors):
+                    buf.index_copy_(0, rows, t[off:].to(buf.device))
+                    moved += t[off:].numel() * t.element_size()
+            done += n
+        self.stats.moved("storage->device", moved)
 
     # -- growth --------------------------------------------------------------------------------
     def grow(self, req: Req, n: int) -> bool:

@@ -122,12 +122,14 @@ class Scheduler(Commit):
                           cuda_graph=ran and self.runner.last_cuda_graph, totals=self.counters,
                           max_running_requests=self.sizing.max_running_requests,
                           extra_info=self.extra_info,
-                          spec=None if self.spec is None else self.spec.stats)
+                          spec=None if self.spec is None else self.spec.stats,
+                          cache_tiers=self.kv.stats if self.config.enable_cache_report else None)
         self.ratio.observe(stats)
         if prefill.chunks:
             self.log.prefill(stats)
         elif decodes:
             self.log.decode(stats)
+        self.kv.stats.new_step()
         if self.on_step:
             self.on_step(stats)
 
@@ -196,7 +198,9 @@ class Scheduler(Commit):
         if waits_for_leader(r):
             return Verdict.WAITS
         prefix = self.kv.match(r)
-        cached = len(prefix.slots)
+        if prefix.wait:  # HiCache: its prefix is still being read from storage (only it waits)
+            return Verdict.WAITS
+        cached = prefix.cached  # every tier's (HiCache loads the host/storage part back)
         if self.kv.cache is not None and prefix_in_flight(r, cached, prefill.chunks):
             return Verdict.WAITS  # that prefix is cached in a step or two: don't compute it twice
         extend = r.seq_len - cached
@@ -205,7 +209,7 @@ class Scheduler(Commit):
             return Verdict.NO_BUDGET
         reservation = prefill.plan.reservation(r, extend)
         room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
-        if extend + reservation > room and (self.running or prefill.chunks):
+        if extend + prefix.loading + reservation > room and (self.running or prefill.chunks):
             return Verdict.NO_ROOM  # (a lone request is always tried)
         if not self.kv.admit(r, prefix, n):
             return Verdict.NO_ROOM  # no request row, or its slots could not be freed
@@ -235,7 +239,7 @@ class Scheduler(Commit):
 
         def prefix_len(r: Req) -> int:
             if r not in hints:
-                hints[r] = len(self.kv.match(r).slots)
+                hints[r] = self.kv.match(r).cached
             return hints[r]
 
         aware = self.cache_aware and self.kv.cache

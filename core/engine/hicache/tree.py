@@ -1,0 +1,316 @@
+"""The radix tree over two tiers (SGLang's HiRadixCache): a node holds its device slots
+(``value``; None once evicted from the device pool) and/or its host slots (``host_value``).
+
+- Every node in the tree has a copy in at least one tier, and the device-resident nodes are
+  closed under "parent of": a prefix is loaded back from its first host-only node on.
+- ``total_size`` / ``protected_size`` count device slots only (the base class's accounting,
+  which KVManager checks against the device pool); ``host_size`` counts host slots.
+- Write policies (SGLang's): ``write_through`` copies a node to the host when it is inserted;
+  ``write_through_selective`` once it was hit twice (its insertion and one reuse);
+  ``write_back`` when it is evicted from the device pool.
+- Eviction is LRU per tier: the device tier evicts leaves of the device-resident part (a node
+  with a host copy stays, host-only; one without is dropped with its host-only descendants),
+  the host tier frees the host copy of nodes without a host-held child (a host-only one
+  leaves the tree).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from engine.memory.radix_cache import Inserted, Node, RadixCache, _tick
+
+THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
+
+
+class HiRadixCache(RadixCache):
+    def __init__(self, pool, host, write_policy: str, stats, storage=None):
+        self.pool, self.host, self.stats, self.storage = pool, host, stats, storage
+        self.write_policy = write_policy
+        self.threshold = THRESHOLD[write_policy]
+        self._pinned: set[int] = set()  # ids of host-only nodes being loaded back
+        super().__init__(pool.free_slots_of, pool.page_size)
+
+    def reset_tree(self) -> None:
+        super().reset_tree()
+        self.host_size = 0  # host slots held by the tree
+
+    # -- lookup ----------------------------------------------------------------------------
+    def match_tiers(self, key) -> tuple[torch.Tensor, Node, list[Node]]:
+        """The longest cached prefix of ``key`` over both tiers: the device part's slots and
+        last node, then the host-only nodes that continue it (in order)."""
+        key = tuple(key[: self._align(len(key))])
+        node = dev = self.root
+        values, host_nodes = [], []
+        node.last_access = next(_tick)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._common(child.key, key)
+            if n < len(child.key):
+                if n:
+                    child = self._split(child, n)
+                else:
+                    break
+            child.last_access = next(_tick)
+            if child.value is not None:
+                assert not host_nodes, "a device node under a host-only one"
+                values.append(child.value)
+                dev = child
+            else:
+                host_nodes.append(child)
+            node, key = child, key[n:]
+            if n < len(node.key):
+                break
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return slots, dev, host_nodes
+
+    def match_prefix(self, key) -> tuple[torch.Tensor, Node]:
+        slots, node, _ = self.match_tiers(key)
+        return slots, node
+
+    def path(self, node: Node) -> list[Node]:
+        """The nodes from the root's child down to ``node``."""
+        out = []
+        while node is not self.root:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def _split(self, child: Node, n: int) -> Node:
+        upper = Node(child.key[:n], None, child.parent)
+        upper.value = None if child.value is None else child.value[:n]
+        upper.host_value = None if child.host_value is None else child.host_value[:n]
+        upper.lock_ref, upper.hit_count = child.lock_ref, child.hit_count
+        upper.children[self._child_key(child.key[n:])] = child
+        child.parent.children[self._child_key(child.key)] = upper
+        child.key, child.parent = child.key[n:], upper
+        if child.value is not None:
+            child.value = child.value[n:]
+        if child.host_value is not None:
+            child.host_value = child.host_value[n:]
+        if id(child) in self._pinned:
+            self._pinned.add(id(upper))
+        return upper
+
+    # -- insert ----------------------------------------------------------------------------
+    def insert(self, key, value: torch.Tensor) -> Inserted:
+        """As the base class's; a host-only node on the way takes the caller's slots as its
+        device copy (so ``cached`` ends where the first such node starts)."""
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        key = tuple(key)
+        node, done, values, dup = self.root, 0, [], None
+        node.last_access = next(_tick)
+        while done < len(key):
+            rest = key[done:]
+            child = node.children.get(self._child_key(rest))
+            if child is None:
+                new = Node(rest, value[done:].clone(), node)
+                node.children[self._child_key(rest)] = new
+                self.total_size += len(rest)
+                values.append(new.value)
+                self._hit(new)
+                return Inserted(done if dup is None else dup, new, torch.cat(values))
+            n = self._common(child.key, rest)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = next(_tick)
+            if child.value is None:  # host-only: the caller's slots become its device copy
+                dup = done if dup is None else dup
+                child.value = value[done: done + n].clone()
+                self.total_size += n
+            values.append(child.value)
+            node, done = child, done + n
+        return Inserted(done if dup is None else dup, node,
+                        torch.cat(values) if values else value[:0])
+
+    # -- write policies ----------------------------------------------------------------------
+    def record_hit(self, node: Node) -> None:
+        """A request was admitted on ``node``'s prefix (write_through_selective counts it)."""
+        if self.threshold is None or self.threshold == 1:
+            return
+        for n in self.path(node):
+            self._hit(n)
+
+    def _hit(self, node: Node) -> None:
+        if self.threshold is None or node.host_value is not None or node.value is None:
+            return
+        node.hit_count += 1
+        if node.hit_count >= self.threshold:
+            self.backup(node)
+
+    def backup(self, node: Node) -> bool:
+        """Copy ``node``'s device slots to the host tier (evicting there, LRU, if needed);
+        False when the host tier cannot take it. Also queues its pages for storage."""
+        n = len(node.key)
+        slots = self.host.alloc(n)
+        if slots is None:
+            self.evict_host(n - self.host.free_slots)
+            slots = self.host.alloc(n)
+            if slots is None:
+                return False
+        self.stats.moved("device->host", self.host.backup(self.pool, node.value, slots))
+        node.host_value = slots
+        self.host_size += n
+        if self.storage is not None:
+            self.storage.write_node(self, node)
+        return True
+
+    # -- load back ---------------------------------------------------------------------------
+    def pin(self, nodes: list[Node]) -> None:
+        self._pinned.update(map(id, nodes))
+
+    def unpin(self) -> None:
+        self._pinned.clear()
+
+    def load_back(self, nodes: list[Node], slots: torch.Tensor) -> None:
+        """Host-only ``nodes`` (a path, in order) get device copies at ``slots``."""
+        done = 0
+        for node in nodes:
+            n = len(node.key)
+            dev = slots[done: done + n]
+            self.stats.moved("host->device", self.host.load(self.pool, node.host_value, dev))
+            node.value = dev.clone()
+            self.total_size += n
+            done += n
+
+    def read_kv(self, nodes: list[Node], start: int, end: int, offset: int = 0):
+        """Per layer K and V of positions [start, end) of the path ``nodes`` (whose first node
+        starts at position ``offset``), read from each node's host copy, else its device
+        copy."""
+        ks, vs, pos = [], [], offset
+        for node in nodes:
+            a, b = max(start, pos), min(end, pos + len(node.key))
+            if a < b:
+                if node.host_value is not None:
+                    k, v = self.host.read(node.host_value[a - pos: b - pos])
+                else:
+                    idx = node.value[a - pos: b - pos].to(self.pool.k_buffer[0].device,
+                                                          torch.int64)
+                    k = [buf.index_select(0, idx).cpu() for buf in self.pool.k_buffer]
+                    v = [buf.index_select(0, idx).cpu() for buf in self.pool.v_buffer]
+                ks.append(k)
+                vs.append(v)
+            pos += len(node.key)
+        return ([torch.cat(layer) for layer in zip(*ks)],
+                [torch.cat(layer) for layer in zip(*vs)])
+
+    # -- eviction ----------------------------------------------------------------------------
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _device_leaf(self, node: Node) -> bool:
+        return node.value is not None and not any(
+            c.value is not None for c in node.children.values())
+
+    def _host_leaf(self, node: Node) -> bool:
+        return node.host_value is not None and id(node) not in self._pinned and not any(
+            c.host_value is not None for c in node.children.values())
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots, least recently used device leaves first;
+        a node keeps its host copy (write_back makes one now) and stays in the tree."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes()
+                if n.lock_ref == 0 and self._device_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or node.value is None or not self._device_leaf(node):
+                continue  # dropped or changed since it was pushed
+            if node.host_value is None and self.write_policy == "write_back":
+                self.backup(node)
+            self.free_slots(node.value)
+            freed += len(node.key)
+            self.total_size -= len(node.key)
+            parent = node.parent
+            if node.host_value is not None:
+                node.value = None
+            else:
+                self._drop(node)
+            if parent is not self.root and parent.lock_ref == 0 and self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _drop(self, node: Node) -> None:
+        """Take ``node`` (no device copy left) and its host-only descendants out of the tree."""
+        del node.parent.children[self._child_key(node.key)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n.value is None or n is node
+            if n.host_value is not None:
+                self.host.free(n.host_value)
+                self.host_size -= len(n.key)
+                n.host_value = None
+            stack.extend(n.children.values())
+            n.parent = None
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots, least recently used first, from nodes with
+        no host-held child; a host-only one leaves the tree."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or not self._host_leaf(node):
+                continue
+            self.host.free(node.host_value)
+            node.host_value = None
+            self.host_size -= len(node.key)
+            freed += len(node.key)
+            parent = node.parent
+            if node.value is None:  # host-only, so a leaf: it leaves the tree
+                assert not node.children
+                del parent.children[self._child_key(node.key)]
+                node.parent = None
+            if parent is not self.root and self._host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self) -> bool:
+        """Drop both tiers; refused (False) while any node is locked by a running request."""
+        if self.protected_size:
+            return False
+        self.evict(self.total_size)
+        self.evict_host(self.host_size)
+        assert self.total_size == 0 and self.host_size == 0, (self.total_size, self.host_size)
+        self.reset_tree()
+        return True
+
+    # -- integrity -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        total = protected = host = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for k, child in node.children.items():
+                assert child.parent is node and k == self._child_key(child.key)
+                assert len(child.key) > 0 and len(child.key) % self.page_size == 0
+                assert child.value is not None or child.host_value is not None, \
+                    "a node with no copy in any tier"
+                if child.value is not None:
+                    assert len(child.value) == len(child.key)
+                    assert node is self.root or node.value is not None, \
+                        "a device node under a host-only one"
+                    total += len(child.key)
+                    protected += len(child.key) if child.lock_ref else 0
+                else:
+                    assert child.lock_ref == 0, "a locked node without device slots"
+                if child.host_value is not None:
+                    assert len(child.host_value) == len(child.key)
+                    host += len(child.key)
+                stack.append(child)
+        assert total == self.total_size, (total, self.total_size)
+        assert protected == self.protected_size, (protected, self.protected_size)
+        assert host == self.host_size, (host, self.host_size)
+        assert self.host.free_slots + self.host_size == self.host.size, (
+            self.host.free_slots, self.host_size, self.host.size)

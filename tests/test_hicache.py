@@ -1,0 +1,196 @@
+"""HiCache (--enable-hierarchical-cache): the host tier and the file storage tier under the
+radix cache. Greedy outputs are identical with the tiers on and off, prefixes come back from
+host memory, from disk, after a restart and from another engine sharing the directory, bad
+page files are refused, and every tier's slot accounting holds after every step."""
+
+import glob
+import logging
+import os
+import random
+
+import pytest
+from engine import Engine
+from engine.config import ConfigError
+from engine_testing.invariants import assert_all_free, run_checked
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def prompts(n=6, length=140, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 250) for _ in range(length)] for _ in range(n)]
+
+
+def run(engine, ps, params=GREEDY):
+    """Each prompt in turn (so earlier ones are evicted), invariants checked every step;
+    returns (outputs, cached tokens)."""
+    outs, cached = [], []
+    for p in ps:
+        [r] = engine.add_request(p, params)
+        run_checked(engine, [r])
+        outs.append(r.output_ids)
+        cached.append(r.cached_tokens)
+    return outs, cached
+
+
+def hicache(model, tmp_path=None, **kw):
+    args = dict(max_total_tokens=320, enable_hierarchical_cache=True, enable_cache_report=True)
+    if tmp_path is not None:
+        args.update(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                    hicache_storage_prefetch_policy="wait_complete")
+    args.update(kw)
+    return Engine(model, **args)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    ps = prompts()
+    return ps, run(Engine(model, max_total_tokens=320), ps)[0]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("storage", [False, True])
+def test_outputs_identical_with_tiers_on_and_off(model, reference, policy, storage, tmp_path):
+    ps, ref = reference
+    engine = hicache(model, tmp_path if storage else None, hicache_write_policy=policy,
+                     hicache_ratio=3)
+    # each prompt twice in a row (a device hit: write_through_selective's second hit), then
+    # all again: by then evicted from the device pool (320 tokens)
+    order = [i for i in range(len(ps)) for _ in range(2)] + list(range(len(ps)))
+    outs, cached = run(engine, [ps[i] for i in order])
+    assert outs == [ref[i] for i in order]
+    stats = engine.scheduler.kv.stats
+    assert stats.hits["host"] > 0 and sum(cached[-len(ps):]) > 0
+    engine.close()
+    assert_all_free(engine)
+
+
+def test_page_size_4_and_a_batch_at_once(model, tmp_path):
+    ps = prompts(8, 90, seed=1)
+    ref = [o["output_ids"] for o in Engine(model, max_total_tokens=400, page_size=4).generate(
+        input_ids=ps * 2, sampling_params=GREEDY)]
+    engine = hicache(model, tmp_path, max_total_tokens=400, page_size=4)
+    reqs = [r for p in ps * 2 for r in engine.add_request(p, GREEDY)]
+    run_checked(engine, reqs)
+    assert [r.output_ids for r in reqs] == ref
+    engine.close()
+    assert_all_free(engine)
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_from_host_then_disk_then_restart(
+        model, tmp_path):
+    [p] = prompts(1, 200, seed=2)
+    engine = hicache(model, tmp_path)
+    ref, _ = run(engine, [p])
+    tree, stats = engine.scheduler.kv.cache, engine.scheduler.kv.stats
+    key = len(p) - 1  # the last token always runs
+
+    tree.evict(tree.total_size)  # out of the device pool: kept in host memory
+    engine.scheduler.check_invariants()
+    assert tree.total_size == 0 and tree.host_size >= key
+    before = dict(stats.hits)
+    outs, cached = run(engine, [p])
+    assert outs == ref and cached == [key]
+    assert stats.hits["host"] - before["host"] == key
+
+    tree.evict(tree.total_size)
+    tree.evict_host(tree.host_size)  # out of host memory too: only the disk has it
+    engine.scheduler.check_invariants()
+    assert tree.host_size == 0 and tree.total_size == 0
+    before = dict(stats.hits)
+    outs, cached = run(engine, [p])
+    stored = key - key % 64  # whole storage pages
+    assert outs == ref and cached == [stored]
+    assert stats.hits["storage"] - before["storage"] == stored
+    engine.close()
+
+    restarted = hicache(model, tmp_path)  # a new engine: only the directory is left
+    outs, cached = run(restarted, [p])
+    assert outs == ref and cached[0] == stored and stored >= 0.9 * key
+    assert restarted.scheduler.kv.stats.bytes["storage->device"] > 0
+    restarted.close()
+    assert_all_free(restarted)
+
+
+def test_two_engines_share_one_storage_directory(model, tmp_path):
+    ps = prompts(3, 130, seed=3)
+    a = hicache(model, tmp_path)
+    b = hicache(model, tmp_path)
+    ref, _ = run(a, ps)
+    a.scheduler.kv.cache.storage.flush_writes()
+    outs, cached = run(b, ps)
+    assert outs == ref and cached == [128] * 3
+    a.close()
+    b.close()
+
+
+def _damage(tmp_path, how):
+    files = sorted(glob.glob(os.path.join(tmp_path, "*.kvpage")))
+    assert files
+    for f in files:
+        data = open(f, "rb").read()
+        if how == "truncated":
+            data = data[: len(data) - 100]
+        elif how == "corrupt":
+            data = data[:-10] + bytes(b ^ 0xFF for b in data[-10:])
+        open(f, "wb").write(data)
+    return files
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt", "foreign"])
+def test_bad_page_files_are_logged_and_never_loaded(model, tmp_path, caplog, how):
+    [p] = prompts(1, 140, seed=4)
+    writer = hicache(model, tmp_path, **({"kv_cache_dtype": "bf16"} if how == "foreign" else {}))
+    ref, _ = run(writer, [p])
+    writer.close()
+    if how != "foreign":
+        _damage(tmp_path, how)
+    else:  # another dtype's pages, renamed to the keys this engine reads
+        reader = hicache(model, tmp_path)
+        tree, storage = reader.scheduler.kv.cache, reader.scheduler.kv.cache.storage
+        ours = storage.keys(None, p, 2)
+        theirs = sorted(glob.glob(os.path.join(tmp_path, "*.kvpage")))
+        for key, f in zip(ours, theirs):
+            os.replace(f, os.path.join(tmp_path, f"{key}.kvpage"))
+        reader.close()
+    engine = hicache(model, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        outs, cached = run(engine, [p])
+    if how != "foreign":
+        assert outs == ref
+    assert cached == [0]
+    assert engine.scheduler.kv.stats.storage_rejected == 1
+    why = {"truncated": "truncated", "corrupt": "corrupt", "foreign": "another model"}[how]
+    assert any("ignored, not loaded" in r.message and why in r.message for r in caplog.records)
+    engine.close()
+    assert_all_free(engine)
+
+
+def test_flags_are_checked(model):
+    with pytest.raises(ConfigError, match="--enable-hierarchical-cache"):
+        Engine(model, hicache_ratio=4)
+    with pytest.raises(ConfigError, match="--disable-radix-cache"):
+        Engine(model, enable_hierarchical_cache=True, disable_radix_cache=True)
+    with pytest.raises(ConfigError, match="write-policy"):
+        Engine(model, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+    with pytest.raises(ConfigError, match="storage-backend"):
+        Engine(model, enable_hierarchical_cache=True,
+               hicache_storage_prefetch_policy="wait_complete")
+    with pytest.raises(Exception, match="nosuch"):
+        Engine(model, enable_hierarchical_cache=True, hicache_storage_backend="nosuch")
+
+
+def test_cache_report_lines(model, tmp_path, caplog):
+    ps = prompts(2, 100, seed=5)
+    engine = hicache(model, tmp_path, decode_log_interval=2)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        run(engine, ps * 2)
+    text = "\n".join(r.message for r in caplog.records)
+    assert "#cached-token: 99 (device 99, host 0, storage 0)" in text
+    assert "Cache report. hit rate:" in text and "storage->device" in text
+    engine.close()
