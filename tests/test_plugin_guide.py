@@ -325,6 +325,26 @@ def exercise_drafter(module, cpu_device, tiny_model_factory):
     assert spec.stats.drafted > 0
 
 
+def exercise_hicache_dict(module, cpu_device, tiny_model_factory):
+    """Through two Engines: the first's pages reach the store in the background, the second
+    (a restart) serves the prefix from it, with the same output."""
+    from engine import Engine
+
+    model = tiny_model_factory("llama")
+    prompt = [(7 * i) % 200 + 5 for i in range(150)]
+    params = {"temperature": 0, "max_new_tokens": 4}
+    flags = dict(max_total_tokens=400, enable_hierarchical_cache=True,
+                 hicache_storage_backend="dict", hicache_storage_prefetch_policy="wait_complete")
+    with registered_globally(module):
+        first = Engine(model, **flags)
+        out = first.generate(input_ids=prompt, sampling_params=params)
+        first.close()  # the queued pages are written first
+        assert len(module.STORE) == 2  # two pages of 64 tokens
+        again = Engine(model, **flags).generate(input_ids=prompt, sampling_params=params)
+    assert again["output_ids"] == out["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == 128
+
+
 EXERCISES = {name[len("exercise_"):]: fn for name, fn in globals().items()
              if name.startswith("exercise_")}
 
