@@ -183,3 +183,19 @@ def test_serve_with_no_model_answers_a_chat_question(start_server):
     assert chat.choices[0].finish_reason == "stop"
     log = server.log()
     assert "model SmolLM2-135M-Instruct" in log and "GGUF" in log
+
+
+def test_ngram_speculation_gives_the_same_answers(engine):
+    """SmolLM2 copying a passage and answering freely, with NGRAM drafts verified (every one,
+    the policy taken out): the tokens of decoding without them, drafts accepted along the way."""
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He "
+               "trimmed the wick and wound the clockwork that turned the light.")
+    prompts = [chat_ids(engine, f"Repeat this text exactly:\n\n{passage}"),
+               chat_ids(engine, QUESTIONS[0])]
+    params = {"temperature": 0, "max_new_tokens": 48}
+    plain = engine.generate(input_ids=prompts, sampling_params=params)
+    spec = Engine(max_total_tokens=8192, speculative_algorithm="NGRAM")
+    spec.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    got = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in plain]
+    assert spec.scheduler.spec.stats.accepted > 10
