@@ -125,17 +125,18 @@ class ModelRunner:
         return self.pp is None or self.pp.is_last
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of K and V per token (on this rank), in the pool's dtype or in ``dtype``."""
+        """Bytes of K and V per token (on this rank; an MLA model's latent rows), in the
+        pool's dtype or in ``dtype``."""
         size = torch.empty((), dtype=dtype or self.kv_storage_dtype).element_size()
-        return sum(2 * s.num_kv_heads * self.model_config.head_dim * size
-                   for s in self.layer_specs)
+        return sum(s.kv_values_per_token() * size for s in self.layer_specs)
 
     def init_kv_pool(self, num_tokens: int, page_size: int = 1, max_reqs: int = 256,
                      max_context_len: int = 4096) -> KVPool:
-        c, specs = self.model_config, self.layer_specs
-        self.kv_pool = KVPool(len(specs), specs[0].num_kv_heads, c.head_dim, num_tokens,
+        specs = self.layer_specs
+        self.kv_pool = KVPool(len(specs), specs[0].num_kv_heads, specs[0].head_dim, num_tokens,
                               self.kv_storage_dtype, self.device.torch_device, page_size,
-                              max_reqs, max_context_len, kv_dtype=self.kv_dtype)
+                              max_reqs, max_context_len, kv_dtype=self.kv_dtype,
+                              latent=bool(specs[0].kv_lora_rank))
         self.kv_scales_from_checkpoint = False
         if self.kv_dtype.needs_scale:  # the checkpoint's scales where it has them, else 1.0
             for m in self.model.modules():

@@ -26,6 +26,7 @@ CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
+    "DeepseekV2ForCausalLM": "DeepseekV2Config", "DeepseekV3ForCausalLM": "DeepseekV3Config",
 }
 
 
@@ -107,6 +108,41 @@ MOE_CASES = {
 }
 
 
+# DeepSeek-V2/V3 (engine/models/deepseek.py: MLA + DeepSeek's routing) with their corners: q
+# LoRA or q_proj, yarn with mscale != mscale_all_dim (cos/sin scaled, softmax scale corrected)
+# or plain rope, interleaved rope or not (V3), softmax greedy / group-limited and sigmoid
+# noaux_tc routing (a random correction bias), shared experts, routed_scaling_factor,
+# norm_topk_prob, first_k_dense_replace, an attention bias; v_head_dim != qk_nope_head_dim
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 1.0}
+DEEPSEEK_CASES = {
+    # V2-Lite-like: no q LoRA, greedy softmax top-2 of 8, 2 shared experts, first layer dense
+    "v2_lite_greedy": ("DeepseekV2ForCausalLM", {
+        "q_lora_rank": None, "topk_method": "greedy", "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 2, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0, "num_hidden_layers": 3, "rope_parameters": YARN}),
+    # V2-like: q LoRA, group-limited greedy (4 groups, 2 picked), top-3, scaled, attention bias
+    "v2_group_limited": ("DeepseekV2ForCausalLM", {
+        "q_lora_rank": 48, "topk_method": "group_limited_greedy", "n_group": 4,
+        "topk_group": 2, "n_routed_experts": 8, "num_experts_per_tok": 3,
+        "n_shared_experts": 1, "routed_scaling_factor": 1.5, "attention_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # V3-like: q LoRA, sigmoid noaux_tc with the bias, renormalized, x2.5, yarn, interleaved
+    "v3_noaux_tc": ("DeepseekV3ForCausalLM", {
+        "q_lora_rank": 48, "n_group": 4, "topk_group": 2, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+        "rope_parameters": YARN}),
+    # V3 without q LoRA, rope halves (rope_interleave false), raw sigmoid weights
+    "v3_no_lora_halves": ("DeepseekV3ForCausalLM", {
+        "q_lora_rank": None, "n_group": 2, "topk_group": 1, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 2, "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "rope_interleave": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
 def tiny_config_kwargs(arch: str, vocab_size: int = 512) -> dict:
     kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -116,6 +152,10 @@ def tiny_config_kwargs(arch: str, vocab_size: int = 512) -> dict:
         kw["head_dim"] = 48  # != hidden/heads, as in real Qwen3 checkpoints
     if arch == "Qwen3MoeForCausalLM":
         kw["moe_intermediate_size"] = 64  # the experts' (the dense layers': intermediate_size)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        # MLA: the latent (32) + the rope key (16) per token; heads of 24 + 16, values of 20
+        kw.update(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=24,
+                  qk_rope_head_dim=16, v_head_dim=20, moe_intermediate_size=48)
     return kw
 
 
@@ -136,6 +176,9 @@ def make_tiny_model(out_dir: str, arch: str = "LlamaForCausalLM", *, seed: int =
                 p.copy_(torch.randn(p.shape, generator=gen) * config.initializer_range)
             elif "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # DeepSeek-V3's noaux_tc correction bias
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     model.to(save_dtype).save_pretrained(out_dir, safe_serialization=True)
     train_tokenizer(out_dir, config.vocab_size)
     return out_dir

@@ -9,6 +9,10 @@ Where no mask is needed it passes none, so SDPA can take its fused (flash) kerne
 of prompts with no cached prefix and no sliding window is plain causal attention (``is_causal``;
 a padded key is only ever seen by a padded query, whose output is dropped). Decode rows are cut into
 cache-sized groups only on a CPU; on a GPU they form one group, one SDPA call per layer.
+
+MLA layers (``forward_latent``) go through the same groups: the latent rows are gathered once
+per group as one KV head whose keys are the rows and whose values are the rows' first
+``kv_lora_rank`` values (a view, no copy), attended by every query head (multi-query).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class TorchNativeBackend(AttentionBackend):
         self.windows = sorted({s.sliding_window for s in ctx.layers}, key=lambda w: w or 0)
         self.groups: list[_Group] = []  # padded key positions read the pool's zeroed slot 0
         # bytes of one key position's gathered K and V in one layer (K/V are read in ctx.dtype)
-        self.kv_bytes = max((2 * s.num_kv_heads * s.head_dim for s in ctx.layers),
+        self.kv_bytes = max((s.kv_values_per_token() for s in ctx.layers),
                             default=0) * ctx.dtype.itemsize
         # the decode groups' byte cap is a CPU cache size; a GPU runs all decodes in one call
         self.decode_group_bytes = (None if str(ctx.device).startswith("cuda")
@@ -106,21 +110,37 @@ class TorchNativeBackend(AttentionBackend):
         self.attend_groups(q, layer_id, out)
         return out
 
+    def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, layer_id: int,
+                       batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.set_latent(layer_id, batch.out_cache_loc, latent)
+        T, H = q.shape[:2]
+        dv = self.layers[layer_id].kv_lora_rank
+        if len(self.groups) == 1 and self.groups[0].tokens is None:
+            return self.attend_group(self.groups[0], q, layer_id).reshape(T, H, dv)
+        out = q.new_empty(T, H, dv)
+        self.attend_groups(q, layer_id, out)
+        return out
+
     def attend_groups(self, q: torch.Tensor, layer_id: int, out: torch.Tensor) -> None:
-        """Every group's valid rows into their tokens' places in ``out`` [T, H, D]."""
-        H, D = q.shape[1:]
+        """Every group's valid rows into their tokens' places in ``out`` [T, H, Dv]."""
+        H, D = out.shape[1:]
         for g in self.groups:
             assert g.tokens is not None  # only a group holding the whole batch skips the gather
             o = self.attend_group(g, q, layer_id).reshape(-1, H, D)[g.rows]
             out.index_copy_(0, g.dest, o.to(out.dtype))
 
     def attend_group(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Attention for one group: [B, E, H, D]."""
+        """Attention for one group: [B, E, H, Dv] (Dv: head_dim, or an MLA layer's
+        kv_lora_rank)."""
         spec = self.layers[layer_id]
         B, E = g.num_reqs, g.q_len
         H, D, KVH = spec.num_heads, spec.head_dim, spec.num_kv_heads
         q = q.view(B, E, H, D) if g.tokens is None else q[g.tokens]
-        k, v = self.kv_pool.get_kv(layer_id, g.slots, q.dtype)  # [B, L, KVH, D]
+        if spec.kv_lora_rank:  # MLA: one head of latent rows, the values their latent part
+            k = self.kv_pool.get_latent(layer_id, g.slots, q.dtype)  # [B, L, 1, D]
+            v = k[..., :spec.kv_lora_rank]
+        else:
+            k, v = self.kv_pool.get_kv(layer_id, g.slots, q.dtype)  # [B, L, KVH, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         mask = g.masks.get(spec.sliding_window)
         if mask is None:  # plain causal prompts (see make_group)
@@ -131,7 +151,7 @@ class TorchNativeBackend(AttentionBackend):
             # the G query heads sharing a KV head become G query rows: no K/V copy, one bmm
             qf = q.view(B, KVH, H // KVH, D)
             o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=spec.scaling)
-            return o.view(B, 1, H, D)
+            return o.view(B, 1, H, v.shape[-1])
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                            scale=spec.scaling, enable_gqa=H != KVH)
         return o.transpose(1, 2)

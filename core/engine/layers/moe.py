@@ -20,6 +20,10 @@ model's dtype (Qwen3-MoE) or left in float32 (Mixtral, ``float32_weights``), eac
 output times its weight, summed over the k experts (in float32, in expert order rather than
 top-k order: float32 rounding apart, the same sum), cast to the model's dtype.
 
+The router is a module with ``select(x, top_k, renormalize, weight_dtype) -> (weights, ids)``:
+``Router`` (the logits' softmax top-k above), or another routing handed to ``SparseMoE`` as
+``gate`` (DeepSeek's grouped top-k with sigmoid or softmax scores: layers/moe_routing.py).
+
 The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
 once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
 ``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``).
@@ -43,6 +47,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def select(self, x: torch.Tensor, top_k: int, renormalize: bool,
+               weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) of the tokens ``x`` [T, hidden]."""
+        return route(self(x), top_k, renormalize, weight_dtype)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -86,19 +95,20 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, names: tuple[str, str, str] = ("gate_proj", "up_proj",
                                                                      "down_proj"),
-                 float32_weights: bool = False):
+                 float32_weights: bool = False, gate: nn.Module | None = None):
+        """``gate``: the router (a module with ``select``, see above); default ``Router``."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.float32_weights = renormalize, float32_weights
-        self.gate = Router(hidden_size, num_experts)
+        self.gate = Router(hidden_size, num_experts) if gate is None else gate
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, *names)
                                      for _ in range(num_experts))
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.top_k
-        weights, ids = route(self.gate(x), k, self.renormalize,
-                             torch.float32 if self.float32_weights else x.dtype)
+        weights, ids = self.gate.select(x, k, self.renormalize,
+                                        torch.float32 if self.float32_weights else x.dtype)
         flat = ids.reshape(-1)  # [T * k] (token, expert) pairs, token-major
         order = torch.sort(flat, stable=True).indices  # grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

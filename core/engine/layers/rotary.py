@@ -1,5 +1,6 @@
 """Rotary position embedding (the half-split "neox" layout HF Llama checkpoints use), with
-linear and llama3 frequency scaling, or explicit per-frequency factors (GGUF's rope_freqs).
+linear, llama3 and yarn frequency scaling (yarn's attention factor scales cos and sin, as
+transformers does), or explicit per-frequency factors (GGUF's rope_freqs).
 cos/sin are cached per position and looked up by ``positions``, so requests at different offsets
 share one batch."""
 
@@ -18,6 +19,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return yarn_inverse_frequencies(head_dim, theta, scaling)
     if kind == "freq_factors":  # what llama.cpp stores for Llama 3.1: inv_freq is divided by them
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     assert kind == "llama3", kind
@@ -32,6 +35,43 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies rotating fewer than
+    ``beta_slow`` times over the pretrained context are interpolated (divided by ``factor``),
+    more than ``beta_fast`` times kept, a linear ramp between."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: yarn's ``attention_factor``, else derived from
+    ``mscale`` / ``mscale_all_dim`` (DeepSeek) or the factor alone; 1 for the other types."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,7 +91,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling)
         pos = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
-        self.cos_sin = torch.stack([freqs.cos(), freqs.sin()]).to(self.cos_sin.device)
+        scale = attention_factor(self.scaling)
+        self.cos_sin = (torch.stack([freqs.cos(), freqs.sin()]) * scale).to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """(cos, sin), each [T, 1, head_dim] for ``apply_rotary``: the half-width values

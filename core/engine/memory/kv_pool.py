@@ -9,6 +9,11 @@ slot 0: the padding rows of a CUDA-graph decode batch use it.
 K and V go in and out through the pool's ``KVDtype`` (``store`` / ``load``, with the layer's
 scale), so the pool knows no storage format; the allocator tracks each page's state, so that
 freeing a page twice (or page 0, or a page that does not exist) fails at the call.
+
+An MLA model's pool (``latent=True``) holds one row per token and layer instead (the compressed
+latent and the rope key, ``head_dim`` values, one "head"), in ``k_buffer``; there is no V
+buffer (``v_buffer`` is empty) and the rows go in and out through ``set_latent`` /
+``get_latent``, with the layer's K scale.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
                  dtype: torch.dtype, device="cpu", page_size: int = 1, max_reqs: int = 256,
                  max_context_len: int = 4096, needs_scale: bool | None = None,
-                 kv_dtype: KVDtype | None = None):
+                 kv_dtype: KVDtype | None = None, latent: bool = False):
         """``kv_dtype``: the format (default: plain ``dtype``, scaled with ``needs_scale``);
-        its ``storage``, when set, must be ``dtype``."""
+        its ``storage``, when set, must be ``dtype``. ``latent``: an MLA model's pool, one row
+        of ``head_dim`` values per token and layer (``num_kv_heads`` must be 1), no V."""
+        assert not latent or num_kv_heads == 1, "an MLA pool holds one latent row per token"
         assert num_tokens >= page_size > 0
         if kv_dtype is None:
             kv_dtype = KVDtype(dtype, needs_scale=bool(needs_scale))
@@ -44,10 +51,12 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         self.num_layers = num_layers
+        self.latent = latent
         shape = ((self.num_pages + 1) * page_size, num_kv_heads, head_dim)
         # torch.empty: never zero-fill gigabytes at start
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [] if latent else [torch.empty(shape, dtype=dtype, device=device)
+                                           for _ in range(num_layers)]
         for buf in (*self.k_buffer, *self.v_buffer):
             # padded metadata reads the scratch page; masked keys get probability 0, but
             # 0 * NaN is NaN, so it must hold finite values
@@ -218,12 +227,27 @@ class KVPool:
 
     # -- K/V access ----------------------------------------------------------------------------
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert not self.latent, "an MLA pool holds latent rows: set_latent, not set_kv"
         kv = self.kv_dtype
         self.k_buffer[layer_id][loc] = kv.store(k, self.k_scale[layer_id], self.dtype)
         self.v_buffer[layer_id][loc] = kv.store(v, self.v_scale[layer_id], self.dtype)
 
+    def set_latent(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
+        """An MLA pool: the rows [n, 1, head_dim] of the tokens at slots ``loc``."""
+        assert self.latent, "set_latent is an MLA pool's; this pool holds K and V"
+        self.k_buffer[layer_id][loc] = self.kv_dtype.store(latent, self.k_scale[layer_id],
+                                                           self.dtype)
+
+    def get_latent(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An MLA pool: the rows at slots ``loc`` (any shape), dequantized to ``dtype``."""
+        assert self.latent, "get_latent is an MLA pool's; this pool holds K and V"
+        rows = self.k_buffer[layer_id].index_select(0, loc.reshape(-1))
+        return self.kv_dtype.load(rows.view(*loc.shape, *rows.shape[1:]),
+                                  self.k_scale[layer_id], dtype)
+
     def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype):
         """K and V at slots ``loc`` (any shape), dequantized to ``dtype``."""
+        assert not self.latent, "an MLA pool holds latent rows: get_latent, not get_kv"
         # index_select on flat slots gathers ~3x faster than advanced indexing on CPU
         flat, shape = loc.reshape(-1), (*loc.shape, *self.k_buffer[0].shape[1:])
         k = self.k_buffer[layer_id].index_select(0, flat).view(shape)
@@ -234,4 +258,5 @@ class KVPool:
 
     def bytes_per_token(self) -> int:
         k = self.k_buffer[0]
-        return 2 * self.num_layers * k.shape[1] * k.shape[2] * k.element_size()
+        per_layer = k.shape[1] * k.shape[2] * k.element_size()
+        return (1 if self.latent else 2) * self.num_layers * per_layer

@@ -1,5 +1,6 @@
-"""ModelConfig: the fields of a Hugging Face config.json that the Llama family and its
-mixture-of-experts relatives (Qwen3-MoE, Mixtral) need."""
+"""ModelConfig: the fields of a Hugging Face config.json that the Llama family, its
+mixture-of-experts relatives (Qwen3-MoE, Mixtral) and DeepSeek-V2/V3 (deepseek_config.py: MLA
+and grouped routing) need."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from dataclasses import dataclass, field
 
 from engine.errors import EngineError
 from engine.interfaces import AttentionLayerSpec
+from engine.models.deepseek_config import MLA_ARCHS, GroupedRouting, MLAConfig, mla_fields
 
 # "freq_factors" is ours: explicit per-frequency divisors, read from a GGUF's rope_freqs tensor
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
+YARN_ARCHS = MLA_ARCHS  # yarn (and its mscale) is implemented and proven for DeepSeek's only
 # architectures whose attention projections always carry a bias, whatever attention_bias says
 QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -51,16 +54,28 @@ class ModelConfig:
     norm_topk_prob: bool = False            # renormalize the top-k weights to sum to 1
     decoder_sparse_step: int = 1            # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()   # ... and it is not listed here (dense MLP)
+    # DeepSeek-V2/V3 (MLA_ARCHS): multi-head latent attention, whose head_dim above is the
+    # rotary dimensions (qk_rope_head_dim); and their routing (None: a dense model)
+    mla: MLAConfig | None = None
+    routing: GroupedRouting | None = None
     hf_config: dict = field(default_factory=dict, repr=False)
 # fmt: on
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer`` routes tokens to experts (else it has the dense MLP), as
-        transformers' Qwen3-MoE decides it (Mixtral: every layer)."""
+        transformers' Qwen3-MoE decides it (Mixtral: every layer; DeepSeek: its routing's
+        first_k_dense_replace and moe_layer_freq)."""
+        if self.routing is not None:
+            return self.num_experts > 0 and self.routing.is_moe_layer(layer)
         return self.num_experts > 0 and layer not in self.mlp_only_layers and \
             (layer + 1) % self.decoder_sparse_step == 0
 
     def layer_specs(self) -> list[AttentionLayerSpec]:
+        if self.mla is not None:  # one latent row per token: the latent, then the rope key
+            m = self.mla
+            return [AttentionLayerSpec(self.num_heads, 1, m.latent_dim, m.softmax_scale,
+                                       kv_lora_rank=m.kv_lora_rank)
+                    for _ in range(self.num_layers)]
         windowed = set(self.sliding_window_layers)
         return [
             AttentionLayerSpec(self.num_heads, self.num_kv_heads, self.head_dim,
@@ -91,7 +106,8 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         layers = hf["num_hidden_layers"]
         window, window_layers = _sliding_window(hf, arch, layers)
-        theta, scaling = _rope(hf, source)
+        theta, scaling = _rope(hf, source, arch)
+        mla = mla_fields(hf, arch, scaling, source) if arch in MLA_ARCHS else {}
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         qk_norm = arch in QK_NORM_ARCHS
@@ -101,8 +117,10 @@ class ModelConfig:
             hidden_size=hf["hidden_size"],
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            # MLA: the heads share one latent; num_key_value_heads means nothing there
+            num_kv_heads=heads if mla else hf.get("num_key_value_heads") or heads,
+            head_dim=mla.pop("head_dim", None) or hf.get("head_dim") or
+            hf["hidden_size"] // heads,
             intermediate_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -121,6 +139,7 @@ class ModelConfig:
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             hf_config=hf,
             **_moe(hf, arch, layers, source),
+            **mla,
         )
 
 
@@ -178,17 +197,26 @@ def _moe(hf: dict, arch: str, num_layers: int, source: str) -> dict:
     return dict(num_experts=experts or 0, num_experts_per_tok=top_k or 0, **fields)
 
 
-def _rope(hf: dict, source: str) -> tuple[float, dict | None]:
+def _rope(hf: dict, source: str, arch: str = "") -> tuple[float, dict | None]:
     # transformers 5 writes "rope_parameters" (theta inside), older ones rope_theta + rope_scaling
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise EngineError(f"Unsupported rope scaling type '{rope_type}' in {source} "
-                          f"(supported: {', '.join(ROPE_TYPES)}).")
+    types = ROPE_TYPES if arch in YARN_ARCHS else tuple(t for t in ROPE_TYPES if t != "yarn")
+    if rope_type not in types:
+        yarn = (f"; yarn for {' and '.join(YARN_ARCHS)} only" if rope_type == "yarn" else "")
+        raise EngineError(f"Unsupported rope scaling type '{rope_type}' in {source} for "
+                          f"{arch or 'this model'} (supported: {', '.join(types)}{yarn}).")
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if rope_type == "yarn":
+        if not params.get("original_max_position_embeddings"):
+            raise EngineError(f"yarn rope scaling in {source} gives no "
+                              f"original_max_position_embeddings (the pretrained context).")
+        if params.get("factor") is None:  # transformers: the context's growth
+            params["factor"] = hf["max_position_embeddings"] / \
+                params["original_max_position_embeddings"]
     return theta, params

@@ -34,8 +34,11 @@ def register_attention_backends(register):
 
 @hookimpl
 def select_attention_backend(device, model_config, kv_dtype):
-    """On a CPU, 'cpu' when its kernel builds and takes the KV dtype; otherwise leave it to the
+    """On a CPU, 'cpu' when its kernel builds and takes the KV dtype and the model has no
+    multi-head latent attention (DeepSeek's MLA, which it lacks); otherwise leave it to the
     next answer (the core's: torch_native)."""
+    if getattr(model_config, "mla", None) is not None:
+        return None
     if kv_dtype in KV_DTYPES and check(device) is None:
         return "cpu"
     return None
