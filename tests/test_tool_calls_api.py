@@ -161,6 +161,14 @@ def test_reasoning_is_kept_apart_unless_asked_not_to(client):
     assert (message.reasoning_content, message.content) == ("Thinking hard.", "The answer.")
     content, reasoning, _, finish = stream(client, **body)
     assert (reasoning, content, finish) == ("Thinking hard.", "The answer.", "stop")
+    # SGLang's stream_reasoning false: the reasoning in one delta, before the answer
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(
+        model="tiny", stream=True, messages=ASK, max_tokens=60,
+        extra_body={"guided_choice": [text], "stream_reasoning": False})]
+    said = [getattr(d, "reasoning_content", None) for d in chunks]
+    assert [x for x in said if x] == ["Thinking hard."]
+    first_content = next(i for i, d in enumerate(chunks) if d.content)
+    assert said.index("Thinking hard.") < first_content
     body["extra_body"]["separate_reasoning"] = False
     r = client.chat.completions.create(model="tiny", **body)
     assert r.choices[0].message.content == text

@@ -154,7 +154,8 @@ class _Chat:
         """A choice's reader of its output (its own parsers)."""
         t = self.tools
         return ChoiceOutput(t.reasoning_parser() if t.reasoning_parser else None,
-                            t.tool_parser() if t.tool_parser else None)
+                            t.tool_parser() if t.tool_parser else None,
+                            stream_reasoning=self.body.stream_reasoning)
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,

@@ -17,9 +17,13 @@ logger = logging.getLogger("engine.server")
 
 
 class ChoiceOutput:
-    def __init__(self, reasoning=None, tools=None):
-        """``reasoning``: a ReasoningParser, ``tools``: a ToolParser (None: not read)."""
+    def __init__(self, reasoning=None, tools=None, stream_reasoning: bool = True):
+        """``reasoning``: a ReasoningParser, ``tools``: a ToolParser (None: not read);
+        ``stream_reasoning`` False (SGLang's): the reasoning goes out as one delta, when the
+        answer starts or the output ends."""
         self.reasoning = reasoning
+        self.stream_reasoning = stream_reasoning
+        self.held: list[str] = []  # reasoning not sent yet (stream_reasoning False)
         self.calls = ToolCalls(tools) if tools is not None else None
         self.separate = reasoning is not None  # the message has reasoning_content
         self.reasoning_text: list[str] = []
@@ -36,6 +40,9 @@ class ChoiceOutput:
     def finish(self) -> list[dict]:
         reasoning, content = self._reason("finish")
         deltas = self._route(reasoning, content, "feed")
+        if self.held:  # the output ended inside its reasoning
+            deltas.insert(0, {"reasoning_content": "".join(self.held)})
+            self.held = []
         if self.calls is not None:
             deltas += self._tool("finish")
         return deltas
@@ -73,8 +80,14 @@ class ChoiceOutput:
         deltas: list[dict] = []
         if reasoning:
             self.reasoning_text.append(reasoning)
-            deltas.append({"reasoning_content": reasoning})
+            if self.stream_reasoning:
+                deltas.append({"reasoning_content": reasoning})
+            else:
+                self.held.append(reasoning)
         if content:
+            if self.held:  # the answer starts: the reasoning, whole, first
+                deltas.append({"reasoning_content": "".join(self.held)})
+                self.held = []
             if self.calls is not None:
                 deltas += self._tool(method, content)
             else:

@@ -161,6 +161,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # SGLang's: reasoning as reasoning_content (with --reasoning-parser), or left in content
     separate_reasoning: bool = True
+    # SGLang's: stream the reasoning as it comes (False: one reasoning_content delta, sent when
+    # the reasoning ends)
+    stream_reasoning: bool = True
 
 
 class GenerateSamplingParams(Body):
