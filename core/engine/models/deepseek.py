@@ -10,7 +10,7 @@ q_b_proj}``, ``self_attn.kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``
 
 Not yet (issue 31's later parts), each refused with its reason: tensor, expert and pipeline
 parallelism; CUDA graphs and piecewise CUDA graphs; the CPU graph; attention backends without
-MLA (``register_attention_backends(mla=True)``: torch_native only for now)."""
+MLA (``register_attention_backends(mla=True)``: torch_native, and triton on a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from engine.models.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
 from engine.parallel.group import TPGroup
 
-CUDA_GRAPH_REASON = ("MLA attention runs on torch_native only, which has no graph capture "
-                     "(an MLA decode kernel is issue 31's later part), and MoE layers read their "
-                     "per-expert token counts on the host")
+CUDA_GRAPH_REASON = ("DeepSeek models are not captured yet: MoE layers read their per-expert "
+                     "token counts on the host, and MLA decode steps have not run in a captured "
+                     "graph on a GPU (the fused MoE kernel and that proof are issue 31's later "
+                     "parts)")
 CPU_GRAPH_REASON = "MLA attention and MoE layers have no CPU graph nodes yet"
 
 

@@ -6,6 +6,8 @@ import os
 
 from engine import hookimpl
 
+ENGINE_HOOKS_VERSION = "1.5"  # register_attention_backends(mla=), forward_latent
+
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -47,5 +49,6 @@ _factory.graph_memory_bytes = graph_memory_bytes
 def register_attention_backends(register):
     # above torch_native (0), below flashinfer (20), trtllm_mha (25) and fa3 (30): auto takes
     # it on a CUDA GPU where none of those can run
-    register("triton", _factory, check=check, kv_dtypes=KV_DTYPES, priority=5,
-             description="paged prefill/decode attention in Triton; CUDA GPUs")
+    register("triton", _factory, check=check, kv_dtypes=KV_DTYPES, priority=5, mla=True,
+             description="paged prefill/decode attention in Triton (MLA's latent rows as "
+                         "multi-query attention); CUDA GPUs")

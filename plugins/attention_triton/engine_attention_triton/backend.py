@@ -13,6 +13,13 @@ Decode steps (every request one token) split each request's keys over ``num_kv_s
 programs when the batch alone would leave SMs idle (kernels.num_kv_splits: from the batch size
 and the GPU's SM count; ``sm_count`` is a parameter where there is no GPU). The count depends
 on the batch size only inside a CUDA graph, so a captured size keeps its grid.
+
+An MLA layer (``forward_latent``: DeepSeek's latent rows, one KV head) runs the same kernel as
+multi-query attention with the pool's row buffer as both K and V: each head's output is then
+the weighted sum of whole rows, of which the first ``kv_lora_rank`` values are the MLA output
+(the rope key's few columns are computed and dropped: qk_rope_head_dim / (kv_lora_rank +
+qk_rope_head_dim) of the value work, 1/9 for DeepSeek-V3). Prompt chunks and decode steps
+alike, absorbed; the split-KV decode too.
 """
 
 from __future__ import annotations
@@ -90,3 +97,15 @@ class TritonBackend(AttentionBackend):
                         self.prefix_lens, self.max_ext, spec.scaling, spec.sliding_window,
                         pool.k_scale[layer_id], pool.v_scale[layer_id], self.splits(layer_id))
         return out
+
+    def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, layer_id: int,
+                       batch: ForwardBatch) -> torch.Tensor:
+        pool, spec = self.kv_pool, self.layers[layer_id]
+        pool.set_latent(layer_id, batch.out_cache_loc, latent)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rows, scale = pool.k_buffer[layer_id], pool.k_scale[layer_id]
+        paged_attention(q, out, rows, rows, batch.req_to_token, self.req_rows, self.q_starts,
+                        self.ext_lens, self.prefix_lens, self.max_ext, spec.scaling, None,
+                        scale, scale, self.splits(layer_id))
+        return out[..., :spec.kv_lora_rank]

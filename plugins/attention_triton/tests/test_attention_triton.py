@@ -258,6 +258,22 @@ def test_greedy_with_split_decode_under_the_graph_runner(tiny_model_factory, reg
                       lambda ctx: TritonBackend(ctx, num_kv_splits=2), True, device)
 
 
+@pytest.mark.parametrize("case,splits", [("v2_group_limited", None),
+                                         ("v3_no_lora_halves", 2)])
+def test_mla_greedy_matches_hf_generate(tiny_model_factory, registries, case, splits):
+    """DeepSeek's latent rows through the same kernel as multi-query attention (K = V = the
+    rows, the first kv_lora_rank output columns kept): prompts prefilled together, then
+    absorbed decode steps (split in two for the V3 case), greedy equal to HF's."""
+    from engine_testing.checkpoints import DEEPSEEK_CASES
+
+    arch, overrides = DEEPSEEK_CASES[case]
+    device = DeviceInfo("cuda", "GPU", (9, 0)) if GPU else DeviceInfo("cpu", "CPU")
+    runner = greedy_matches_hf(tiny_model_factory(arch, **overrides), registries,
+                               lambda ctx: TritonBackend(ctx, num_kv_splits=splits), False,
+                               device, max_new_tokens=6)
+    assert runner.kv_pool.latent
+
+
 # -- grid shapes and tiles -----------------------------------------------------------------------
 def test_grids_fit_cuda_limits_for_a_40k_token_chunk():
     """CUDA bounds a grid's y and z to 65535: the old (request, KV head, row block) grid put
