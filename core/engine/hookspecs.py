@@ -14,10 +14,12 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
-ENGINE_HOOKS_VERSION = "1.4"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
+ENGINE_HOOKS_VERSION = "1.5"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
 # 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h),
 # register_linear_kernels(activations=), QuantMethod.gguf_blocks / block_activations;
-# 1.4: register_speculative_algorithms, register_tool_parsers, register_reasoning_parsers
+# 1.4: register_speculative_algorithms, register_tool_parsers, register_reasoning_parsers,
+# register_hicache_storage; 1.5: register_attention_backends(mla=),
+# AttentionBackend.forward_latent, AttentionLayerSpec.kv_lora_rank (multi-head latent attention)
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.
@@ -32,7 +34,7 @@ def register_attention_backends(register):
     """Register attention backends.
 
     ``register(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
-    description="", page_sizes=None, dtypes=None)``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
+    description="", page_sizes=None, dtypes=None, mla=False)``: ``factory(ctx) -> AttentionBackend`` builds the backend for one model runner
     (``ctx`` is an :class:`engine.interfaces.BackendContext`); ``check(device) -> str | None``
     returns None when the backend can run on ``device`` (a :class:`engine.device.DeviceInfo`),
     else a human-readable reason; ``kv_dtypes`` lists the ``--kv-cache-dtype`` names it accepts
@@ -42,7 +44,10 @@ def register_attention_backends(register):
     any) lists the ``--page-size`` values its kernels take, the last one its default when
     ``--page-size`` is not given (``auto`` skips a backend that cannot take a given one);
     ``dtypes`` (None: any) the model dtypes it computes in ("float16", "bfloat16", "float32"):
-    ``auto`` skips it for another, and naming it then is refused with the ``--dtype`` to pass.
+    ``auto`` skips it for another, and naming it then is refused with the ``--dtype`` to pass;
+    ``mla`` says it implements ``AttentionBackend.forward_latent``, the multi-head latent
+    attention of DeepSeek-V2/V3 (contract 1.5): a backend without it is never given such a
+    model (``auto`` skips it, naming it is refused).
     """
 
 

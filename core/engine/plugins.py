@@ -114,11 +114,11 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         info.registered.setdefault(kind, []).append(name)
 
     def attention(name, factory, *, check=None, kv_dtypes=("auto",), priority=0, aliases=(),
-                  description="", page_sizes=None, dtypes=None):
+                  description="", page_sizes=None, dtypes=None, mla=False):
         add(regs.attention, "attention", name, factory, check, aliases,
             kv_dtypes=kv_dtypes if kv_dtypes == "any" else tuple(kv_dtypes), priority=priority,
             description=description, page_sizes=tuple(page_sizes) if page_sizes else None,
-            dtypes=tuple(dtypes) if dtypes else None)
+            dtypes=tuple(dtypes) if dtypes else None, mla=bool(mla))
 
     def kv_dtype(name, kv):
         add(regs.kv_dtypes, "kv_dtypes", name, kv)

@@ -145,6 +145,13 @@ def takes_dtype(entry: Entry, dtype: str | None) -> bool:
     return dtype is None or not dtypes or dtype in dtypes
 
 
+def takes_model(entry: Entry, model_config) -> bool:
+    """Whether the backend can attend ``model_config``'s layers: an MLA model (DeepSeek's
+    latent attention) needs a backend registered with ``mla=True``."""
+    return not getattr(getattr(model_config, "mla", None), "kv_lora_rank", 0) or \
+        bool(entry.extra.get("mla"))
+
+
 def default_page_size(entry: Entry) -> int:
     """The page size when --page-size is not given: the backend's own (its last listed), else 1."""
     sizes = entry.extra.get("page_sizes")
@@ -158,6 +165,7 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
     ``page_size`` (None: the backend's default) and the model's ``dtype`` (a name; None:
     unknown)."""
     resolve_kv_dtype(regs, kv_dtype)
+    picked_by_auto = name == "auto"
     if name == "auto":
         picked = None
         if pm is not None:
@@ -172,6 +180,14 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
                 f"No attention backend can run here with --kv-cache-dtype {kv_dtype} ({reasons}).")
         name = picked
     entry = regs.attention.get(name, UnknownAttentionBackend)
+    if not takes_model(entry, model_config):
+        usable = [e.name for e in regs.attention if e.extra.get("mla")]
+        how = "picked by --attention-backend auto" if picked_by_auto else "asked for"
+        raise IncompatibleOptions(
+            f"'{entry.name}' ({entry.origin}, {how}) has no multi-head latent attention, which "
+            f"{model_config.architecture} uses; the backends that have it: "
+            f"{', '.join(usable) or 'none installed'}. Pass --attention-backend "
+            f"{usable[0] if usable else 'torch_native'}.")
     reason = entry.unavailable_reason(device)
     if reason:
         usable = [e.name for e in regs.attention if not e.unavailable_reason(device)]

@@ -12,5 +12,6 @@ def _factory(ctx):
 @hookimpl
 def register_attention_backends(register):
     # "any": K/V are read through the pool, which dequantizes scaled (fp8) storage on read
-    register("torch_native", _factory, kv_dtypes="any", priority=0,
-             description="plain torch SDPA over the paged pool; any device")
+    register("torch_native", _factory, kv_dtypes="any", priority=0, mla=True,
+             description="plain torch SDPA over the paged pool (and MLA's latent rows); "
+                         "any device")

@@ -8,14 +8,14 @@ PREFERENCE = {9: ("fa3", "flashinfer"), 10: ("trtllm_mha", "flashinfer"), 8: ("f
 
 @hookimpl(trylast=True)
 def select_attention_backend(device, model_config, kv_dtype, page_size, registries, dtype):
-    from engine.registry import backend_kv_dtypes, takes_dtype, takes_page_size
+    from engine.registry import backend_kv_dtypes, takes_dtype, takes_model, takes_page_size
 
     regs = registries.attention
     major = device.capability[0] if device.capability else None
     by_priority = [e.name for e in sorted(regs, key=lambda e: -e.extra["priority"])]
     # on a GPU: the guide's pick for the architecture, then every backend by its registered
     # priority (torch_native, at 0, last); on a CPU torch_native, unless a plugin's own
-    # select_attention_backend answered first
+    # select_attention_backend answered first; only backends with MLA for an MLA model
     preferred = [*PREFERENCE.get(major, ())] if device.is_cuda else ["torch_native"]
     ranked = preferred + by_priority
     for name in ranked:
@@ -23,6 +23,7 @@ def select_attention_backend(device, model_config, kv_dtype, page_size, registri
             continue
         entry = regs.get(name)
         if (entry.unavailable_reason(device) is None and takes_page_size(entry, page_size)
-                and takes_dtype(entry, dtype) and kv_dtype in backend_kv_dtypes(registries, entry)):
+                and takes_dtype(entry, dtype) and takes_model(entry, model_config)
+                and kv_dtype in backend_kv_dtypes(registries, entry)):
             return entry.name
     return None
