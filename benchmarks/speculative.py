@@ -18,8 +18,13 @@ all output tokens over the wall time of the batch.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from batch1_step import parse_options  # noqa: E402  (key=value engine options)
 
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the "
@@ -60,20 +65,6 @@ FREE = [
     "Tell me about the history of the bicycle.",
     "Plan a relaxing Sunday for a busy parent.",
 ]
-
-
-def parse_options(items):
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                pass
-        out[key.replace("-", "_")] = value
-    return out
 
 
 def measure(engine, prompts, concurrency, params):
