@@ -11,6 +11,7 @@ import random
 import pytest
 from engine import Engine
 from engine.config import ConfigError
+from engine.hicache.settings import STORAGE_PAGE_TOKENS
 from engine_testing.invariants import assert_all_free, run_checked
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -104,7 +105,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_host_then_disk_then_re
     assert tree.host_size == 0 and tree.total_size == 0
     before = dict(stats.hits)
     outs, cached = run(engine, [p])
-    stored = key - key % 64  # whole storage pages
+    stored = key - key % STORAGE_PAGE_TOKENS  # whole storage pages
     assert outs == ref and cached == [stored]
     assert stats.hits["storage"] - before["storage"] == stored
     engine.close()
@@ -153,7 +154,7 @@ def test_bad_page_files_are_logged_and_never_loaded(model, tmp_path, caplog, how
     else:  # another dtype's pages, renamed to the keys this engine reads
         reader = hicache(model, tmp_path)
         tree, storage = reader.scheduler.kv.cache, reader.scheduler.kv.cache.storage
-        ours = storage.keys(None, p, 2)
+        ours = storage.keys(None, p, len(p) // STORAGE_PAGE_TOKENS)
         theirs = sorted(glob.glob(os.path.join(tmp_path, "*.kvpage")))
         for key, f in zip(ours, theirs):
             os.replace(f, os.path.join(tmp_path, f"{key}.kvpage"))

@@ -339,7 +339,7 @@ def exercise_hicache_dict(module, cpu_device, tiny_model_factory):
         first = Engine(model, **flags)
         out = first.generate(input_ids=prompt, sampling_params=params)
         first.close()  # the queued pages are written first
-        assert len(module.STORE) == 2  # two pages of 64 tokens
+        assert len(module.STORE) == 4  # four pages of 32 tokens
         again = Engine(model, **flags).generate(input_ids=prompt, sampling_params=params)
     assert again["output_ids"] == out["output_ids"]
     assert again["meta_info"]["cached_tokens"] == 128

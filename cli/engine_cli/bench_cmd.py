@@ -10,11 +10,13 @@ import click
 
 from engine_cli.options import EngineCommand, engine_options, given, split_options
 
-DATASETS = ("random", "generated-shared-prefix", "shared-prefix", "sharegpt", "trace")
+DATASETS = ("random", "generated-shared-prefix", "shared-prefix", "sharegpt", "trace",
+            "multi-turn")
 WORKLOAD_FLAGS = ("dataset_name", "dataset_path", "num_prompts", "random_input_len",
                   "random_output_len", "random_range_ratio", "gsp_num_groups",
                   "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
-                  "gsp_output_len", "request_rate")
+                  "gsp_output_len", "mt_num_conversations", "mt_num_turns", "mt_turn_len",
+                  "mt_output_len", "request_rate")
 # the workload flags each dataset reads (given for another one: an error, not ignored)
 APPLIES = {
     "random": {"num_prompts", "random_input_len", "random_output_len", "random_range_ratio",
@@ -24,6 +26,8 @@ APPLIES = {
                                 "request_rate"},
     "sharegpt": {"num_prompts", "dataset_path", "request_rate"},
     "trace": {"dataset_path"},
+    "multi-turn": {"mt_num_conversations", "mt_num_turns", "mt_turn_len", "mt_output_len",
+                   "request_rate"},
 }
 OUTPUT_FLAGS = ("max_concurrency", "output_file", "json_out", "plot", "disable_tqdm")
 BENCH_FLAGS = (*WORKLOAD_FLAGS, *OUTPUT_FLAGS)
@@ -34,7 +38,9 @@ _OPTIONS = [
                       "(shared-prefix): --gsp-num-groups system prompts, each shared by "
                       "--gsp-prompts-per-group questions; sharegpt: --dataset-path, a ShareGPT "
                       "JSON file; trace: --dataset-path, a JSONL trace (engine serve "
-                      "--record-trace) replayed at its own arrival times."),
+                      "--record-trace) replayed at its own arrival times; multi-turn: "
+                      "--mt-num-conversations x --mt-num-turns, each turn appending to the "
+                      "last."),
     click.option("--dataset-path", type=click.Path(exists=True, dir_okay=False),
                  help="The sharegpt or trace file."),
     click.option("--num-prompts", default=100, type=int, help="Requests (random, sharegpt)."),
@@ -48,6 +54,15 @@ _OPTIONS = [
     click.option("--gsp-system-prompt-len", default=256, type=int, help="Tokens."),
     click.option("--gsp-question-len", default=32, type=int, help="Tokens."),
     click.option("--gsp-output-len", default=64, type=int, help="Tokens."),
+    click.option("--mt-num-conversations", default=8, type=click.IntRange(min=1),
+                 help="multi-turn: conversations."),
+    click.option("--mt-num-turns", default=4, type=click.IntRange(min=1),
+                 help="multi-turn: turns per conversation, each appending to the last."),
+    click.option("--mt-turn-len", default=128, type=click.IntRange(min=1),
+                 help="multi-turn: new prompt tokens per turn."),
+    click.option("--mt-output-len", default=64, type=click.IntRange(min=1),
+                 help="multi-turn: output tokens per turn (the next turn's prompt holds that "
+                      "many in its place)."),
     click.option("--request-rate", default=math.inf, type=float,
                  help="Requests per second, Poisson arrivals (seeded by --seed); inf: all at "
                       "once."),

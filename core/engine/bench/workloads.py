@@ -1,7 +1,8 @@
 """The benchmark workloads, as SGLang's bench_serving names them: ``random`` (length ranges),
 ``generated-shared-prefix`` (groups of prompts behind one system prompt), ``sharegpt`` (a local
-file in ShareGPT's format) and ``trace`` (a recorded JSONL of arrivals and lengths, the format
-``engine serve --record-trace`` writes).
+file in ShareGPT's format), ``trace`` (a recorded JSONL of arrivals and lengths, the format
+``engine serve --record-trace`` writes) and ``multi-turn`` (conversations whose every turn
+appends to the last: what HiCache is for).
 
 Synthetic prompts are random token ids of the tokenizer's non-special vocabulary, sent as token
 ids so every prompt has exactly its length (SGLang decodes them to text, which re-encodes to
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from engine.errors import EngineError
 
-DATASETS = ("random", "generated-shared-prefix", "sharegpt", "trace")
+DATASETS = ("random", "generated-shared-prefix", "sharegpt", "trace", "multi-turn")
 ALIASES = {"shared-prefix": "generated-shared-prefix"}
 # SGLang's pruning of ShareGPT conversations
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 2, 1024, 2048
@@ -48,6 +49,10 @@ class Workload:
     gsp_system_prompt_len: int = 256
     gsp_question_len: int = 32
     gsp_output_len: int = 64
+    mt_num_conversations: int = 8
+    mt_num_turns: int = 4
+    mt_turn_len: int = 128
+    mt_output_len: int = 64
     dataset_path: str | None = None
     request_rate: float = math.inf
     seed: int = 1
@@ -92,6 +97,9 @@ class Workload:
             reqs = shared_prefix_requests(vocab, self.gsp_num_groups, self.gsp_prompts_per_group,
                                           self.gsp_system_prompt_len, self.gsp_question_len,
                                           self.gsp_output_len, rng)
+        elif self.dataset_name == "multi-turn":
+            reqs = multi_turn_requests(vocab, self.mt_num_conversations, self.mt_num_turns,
+                                       self.mt_turn_len, self.mt_output_len, rng)
         elif self.dataset_name == "sharegpt":
             reqs = sharegpt_requests(self.dataset_path, self.num_prompts, tokenizer, rng)
         else:
@@ -146,6 +154,24 @@ def shared_prefix_requests(vocab: list[int], groups: int, per_group: int, system
         for _ in range(per_group):
             ids = system + [rng.choice(vocab) for _ in range(question_len)]
             out.append(BenchRequest(ids, len(ids), output_len, group=g))
+    return out
+
+
+def multi_turn_requests(vocab: list[int], conversations: int, turns: int, turn_len: int,
+                        output_len: int, rng: random.Random) -> list[BenchRequest]:
+    """``conversations`` x ``turns`` requests: turn t's prompt is turn t-1's prompt, an answer
+    of ``output_len`` tokens (random ids standing for the model's: every prompt is known up
+    front) and ``turn_len`` new tokens. Turn-major order (every conversation's first turn, then
+    every second turn, ...), so with --max-concurrency up to the number of conversations a turn
+    is sent after the earlier turns of its conversation were."""
+    history = [[] for _ in range(conversations)]
+    out = []
+    for t in range(turns):
+        for c in range(conversations):
+            if t:
+                history[c] += [rng.choice(vocab) for _ in range(output_len)]
+            history[c] += [rng.choice(vocab) for _ in range(turn_len)]
+            out.append(BenchRequest(list(history[c]), len(history[c]), output_len, group=c))
     return out
 
 

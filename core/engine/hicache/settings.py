@@ -12,7 +12,7 @@ STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_STORAGE_DIR = "/tmp/hicache"
 # a storage page holds this many tokens (rounded up to a multiple of --page-size): one file per
 # page, so a page of one token would be a file per token
-STORAGE_PAGE_TOKENS = 64
+STORAGE_PAGE_TOKENS = 32
 # --hicache-storage-prefetch-policy timeout: SGLang's prefetch_timeout_base / _per_ki_token
 PREFETCH_TIMEOUT_BASE_S = 1.0
 PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
