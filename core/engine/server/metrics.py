@@ -78,6 +78,15 @@ class ServerMetrics:
                                                               "(speculative decoding).")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted "
                                                                  "(speculative decoding).")
+        # HiCache's tiers (engine/hicache): prompt tokens served per tier, bytes moved per
+        # direction (device->host, host->device, host->storage, storage->device)
+        self.tier_hits = Counter("engine:cache_hit_tokens", "Prompt tokens served from each "
+                                 "cache tier (device, host, storage).", ["model_name", "tier"],
+                                 registry=registry)
+        self.tier_bytes = Counter("engine:hicache_bytes_moved", "Bytes of K/V moved between "
+                                  "cache tiers.", ["model_name", "direction"], registry=registry)
+        self._model_name = model_name
+        self._tiers_seen: dict = {}
         self._seen = dict.fromkeys(_COUNTED, 0)
         self._spec_seen = (0, 0)
         self._history = collections.deque()  # (time, generation tokens so far)
@@ -104,12 +113,24 @@ class ServerMetrics:
                 histogram.observe(x)
             samples.clear()
         self._update_throughput(c.generation_tokens)
+        self._sync_tiers(getattr(scheduler.kv, "stats", None))
         spec = getattr(scheduler, "spec", None)
         if spec is not None:
             drafted, accepted = spec.stats.drafted, spec.stats.accepted
             self.spec_drafted.inc(drafted - self._spec_seen[0])
             self.spec_accepted.inc(accepted - self._spec_seen[1])
             self._spec_seen = (drafted, accepted)
+
+    def _sync_tiers(self, stats) -> None:
+        if stats is None:
+            return
+        for metric, label, values in ((self.tier_hits, "tier", stats.hits),
+                                      (self.tier_bytes, "direction", stats.bytes)):
+            for name, value in list(values.items()):
+                seen = self._tiers_seen.get((label, name), 0)
+                if value > seen or (label, name) not in self._tiers_seen:
+                    metric.labels(self._model_name, name).inc(value - seen)
+                    self._tiers_seen[(label, name)] = value
 
     def _update_throughput(self, total: int) -> None:
         now = time.monotonic()
