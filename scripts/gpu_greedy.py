@@ -4,6 +4,9 @@ A tiny random-init Llama (engine_testing.checkpoints.make_tiny_model, initialize
 prompts, 16 new tokens each; float32 must match exactly, for every attention backend that runs here
 and takes float32, with and without CUDA graphs. bfloat16 (backends that take it, graphs on) is
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
+Then, float32 without graphs: a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA) on every backend that
+takes them, and the Llama with speculative decoding (NGRAM, every draft verified) on each
+backend, graphs on: their tokens must equal HF's too.
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
 
@@ -116,6 +119,7 @@ def main() -> int:
                     torch.cuda.empty_cache()
                 print(json.dumps(case), flush=True)
                 result["cases"].append(case)
+    result["cases"] += model_cases(args, device, regs, wanted, prompts, path)
     ran = [c for c in result["cases"] if c["status"] in ("pass", "fail", "info")]
     failed = [c for c in ran if c["status"] == "fail"]
     if not ran:
@@ -123,13 +127,80 @@ def main() -> int:
     elif failed:
         result["status"] = "fail"
         result["reason"] = "; ".join(
-            f"{c['backend']} {c['dtype']} graphs={c['cuda_graphs']}: "
+            f"{c.get('model', 'llama')} {c['backend']} {c['dtype']} graphs={c['cuda_graphs']}: "
             f"{c.get('error') or 'tokens differ from HF (' + c['matching_tokens'] + ')'}"
             for c in failed)
-    result["figures"] = {f"{c['backend']} {c['dtype']}{' graphs' if c.get('cuda_graphs') else ''}":
+    result["figures"] = {f"{c.get('model', 'llama')} {c['backend']} {c['dtype']}"
+                         f"{' graphs' if c.get('cuda_graphs') else ''}":
                          c.get("matching_tokens", c["status"]) for c in ran}
     write()
     return 0
+
+
+def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
+    """The MoE and MLA families against HF, and NGRAM speculation against HF, per backend."""
+    import torch
+    import transformers
+
+    from engine import Engine
+    from engine.registry import takes_dtype, takes_model
+    from engine_testing.checkpoints import DEEPSEEK_CASES, MOE_CASES, make_tiny_model
+
+    def hf_refs(path, inputs):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager").eval().to(args.device)
+        out = [hf.generate(torch.tensor([p], device=args.device), max_new_tokens=args.new_tokens,
+                           do_sample=False, pad_token_id=2)[0, len(p):].tolist() for p in inputs]
+        del hf
+        return out
+
+    repeated = [p * 3 for p in prompts]  # something for n-gram lookup to draft from
+    models = {"llama+NGRAM": (llama_path, repeated, hf_refs(llama_path, repeated))}
+    for arch, overrides in (MOE_CASES["qwen3_moe_mlp_only"], DEEPSEEK_CASES["v3_noaux_tc"]):
+        path = make_tiny_model(tempfile.mkdtemp(prefix="gpu-greedy-"), arch,
+                               initializer_range=0.08, **overrides)
+        models[arch] = (path, prompts, hf_refs(path, prompts))
+    cases = []
+    for name, (path, inputs, ref) in models.items():
+        for entry in regs.attention:
+            if (wanted and entry.name not in wanted) or entry.unavailable_reason(device) or \
+                    not takes_dtype(entry, "float32"):
+                continue
+            spec = name.endswith("+NGRAM")
+            case = {"backend": entry.name, "dtype": "float32", "cuda_graphs": spec,
+                    "model": name}
+            t0 = time.perf_counter()
+            try:
+                engine = Engine(path, device=args.device, dtype="float32",
+                                attention_backend=entry.name, max_total_tokens=4096,
+                                disable_cuda_graph=not spec, cuda_graph_max_bs=4,
+                                **({"speculative_algorithm": "NGRAM"} if spec else {}))
+                if not takes_model(entry, engine.runner.model_config):
+                    continue
+                if spec:
+                    engine.scheduler.spec.policy.lengths = \
+                        lambda reqs, drafts: [len(d.tokens) for d in drafts]
+                outs = engine.generate(input_ids=inputs, sampling_params={
+                    "max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True})
+                ids = [o["output_ids"] for o in outs]
+                same = sum(a == b for o, r in zip(ids, ref) for a, b in zip(o, r))
+                case["matching_tokens"] = f"{same}/{sum(len(r) for r in ref)}"
+                case["status"] = "pass" if ids == ref else "fail"
+                if spec:
+                    case["accept_length"] = round(engine.scheduler.spec.stats.accept_length, 2)
+                del engine
+            except Exception as exc:  # one case's failure must not hide the others'
+                if "has no multi-head latent attention" in str(exc):
+                    continue  # a backend without MLA: refused, as it should be
+                case["status"] = "fail"
+                case["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                traceback.print_exc()
+            case["seconds"] = round(time.perf_counter() - t0, 1)
+            if device.is_cuda:
+                torch.cuda.empty_cache()
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+    return cases
 
 
 if __name__ == "__main__":
