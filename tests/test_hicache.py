@@ -195,3 +195,16 @@ def test_cache_report_lines(model, tmp_path, caplog):
     assert "#cached-token: 99 (device 99, host 0, storage 0)" in text
     assert "Cache report. hit rate:" in text and "storage->device" in text
     engine.close()
+
+
+def test_the_multi_turn_workload_appends_each_turn_to_the_last():
+    import random as _random
+
+    from engine.bench.workloads import multi_turn_requests
+
+    reqs = multi_turn_requests(list(range(10, 99)), 3, 4, 5, 2, _random.Random(0))
+    assert len(reqs) == 12 and [r.group for r in reqs[:3]] == [0, 1, 2]  # turn-major
+    for c in range(3):
+        turns = [r.prompt for r in reqs if r.group == c]
+        assert [len(t) for t in turns] == [5, 12, 19, 26]
+        assert all(b[: len(a)] == a for a, b in zip(turns, turns[1:]))
