@@ -133,6 +133,15 @@ def register_reasoning_parsers(register):
 
 
 @hookspec
+def register_hicache_storage(register):
+    """Register HiCache storage backends for ``--hicache-storage-backend`` (contract 1.4):
+    ``register(name, factory, *, check=None, description="")``; ``factory(ctx) ->
+    HiCacheStorage`` (:class:`engine.interfaces.HiCacheStorage`, bytes under string keys;
+    ``ctx`` an :class:`engine.interfaces.HiCacheStorageContext`). The core encodes and checks
+    every page (identity, tokens, checksum): a backend only stores bytes."""
+
+
+@hookspec
 def register_models(register):
     """Register model classes: ``register(hf_architecture, model_cls)``, e.g.
     ``register("LlamaForCausalLM", LlamaForCausalLM)``."""

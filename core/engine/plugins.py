@@ -16,6 +16,7 @@ from engine.registry import DuplicateRegistration, EngineError, Entry, Registrie
 
 DEFAULT_PLUGINS = (
     "engine.builtins.attention_torch_native",
+    "engine.builtins.hicache_file",
     "engine.builtins.kv_dtypes",
     "engine.builtins.models",
     "engine.builtins.parallel",
@@ -161,6 +162,10 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         add(regs.reasoning_parsers, "reasoning_parsers", name, factory, None, aliases,
             description=description)
 
+    def hicache_storage(name, factory, *, check=None, description=""):
+        add(regs.hicache_storage, "hicache_storage", name, factory, check,
+            description=description)
+
     def serve_option(option):
         regs.serve_options.append((info.name, option))
         info.registered.setdefault("serve_options", []).append(option.flag)
@@ -173,6 +178,7 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         "register_grammar_backends": grammar, "register_linear_kernels": linear_kernel,
         "register_speculative_algorithms": speculative, "register_tool_parsers": tool_parser,
         "register_reasoning_parsers": reasoning_parser,
+        "register_hicache_storage": hicache_storage,
     }[hook]
 
 
@@ -181,7 +187,7 @@ REGISTRATION_HOOKS = (
     "register_schedule_policies", "register_parallel_strategies", "register_models",
     "register_serve_options", "register_routing_policies", "register_grammar_backends",
     "register_linear_kernels", "register_speculative_algorithms", "register_tool_parsers",
-    "register_reasoning_parsers",
+    "register_reasoning_parsers", "register_hicache_storage",
 )
 
 

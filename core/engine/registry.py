@@ -113,6 +113,8 @@ class Registries:
     speculative: Registry = field(default_factory=lambda: Registry("speculative algorithm"))
     tool_parsers: Registry = field(default_factory=lambda: Registry("tool-call parser"))
     reasoning_parsers: Registry = field(default_factory=lambda: Registry("reasoning parser"))
+    hicache_storage: Registry = field(default_factory=lambda: Registry("HiCache storage "
+                                                                       "backend"))
     serve_options: list = field(default_factory=list)  # (plugin name, EngineOption)
 
     def all(self) -> dict[str, Registry]:
@@ -121,7 +123,8 @@ class Registries:
                 "parallel": self.parallel, "models": self.models, "routing": self.routing,
                 "grammar": self.grammar, "linear_kernels": self.linear_kernels,
                 "speculative": self.speculative, "tool_parsers": self.tool_parsers,
-                "reasoning_parsers": self.reasoning_parsers}
+                "reasoning_parsers": self.reasoning_parsers,
+                "hicache_storage": self.hicache_storage}
 
 
 def resolve_kv_dtype(regs: Registries, name: str) -> Entry:
