@@ -1,7 +1,7 @@
 """Mixture-of-experts models on the engine's whole path: greedy tokens equal to HF transformers'
 through chunked prefill, radix-cache hits and retraction (the scheduler's slots all free
 after), the quantization methods on the experts, and what is refused, with its reason
-(tensor/expert/pipeline parallelism, CUDA and CPU graphs)."""
+(pipeline parallelism, CUDA and CPU graphs; tp and ep: tests/test_moe_parallel.py)."""
 
 from __future__ import annotations
 
@@ -204,11 +204,11 @@ def test_quantization_methods_quantize_every_expert(moe_dir, make_runner, method
 
 
 # -- refused, each with its reason -----------------------------------------------------------
-@pytest.mark.parametrize("flags", [{"tp_size": 2}, {"pp_size": 2}, {"tp_size": 2,
-                                                                    "pp_size": 2}])
-def test_parallel_flags_are_refused_before_any_rank_starts(moe_dir, flags):
-    with pytest.raises(EngineError, match=r"mixture-of-experts model \(8 experts\).*"
-                                          r"--ep-size, issue 31.*--tp-size 1 --pp-size 1"):
+@pytest.mark.parametrize("flags", [{"pp_size": 2}, {"tp_size": 2, "pp_size": 2}])
+def test_pipeline_stages_are_refused_before_any_rank_starts(moe_dir, flags):
+    """(--tp-size and --ep-size: tests/test_moe_parallel.py)"""
+    with pytest.raises(EngineError, match=r"mixture-of-experts model \(8 experts\): --pp-size "
+                                          r"stages are not available for it yet.*--pp-size 1"):
         Engine(moe_dir, **flags)
 
 
@@ -223,8 +223,10 @@ def test_a_model_built_for_ranks_refuses_too(moe_dir, registries):
     ckpt = open_checkpoint(moe_dir)
     config = ModelConfig.from_checkpoint(ckpt, registries.models)
     cls = resolve_model_class(registries, config.architecture)
-    with pytest.raises(EngineError, match="--ep-size, issue 31"):
-        cls(config, tp=SimpleNamespace(size=2, rank=0))
+    with pytest.raises(EngineError, match="--pp-size stages are not available"):
+        cls(config, pp=PPStage(0, 2, 0, 1))
+    with pytest.raises(EngineError, match="--ep-size 4 must divide --tp-size 2"):
+        cls(config, tp=SimpleNamespace(size=2, rank=0, ep_size=4))
     with pytest.raises(EngineError, match=f"{config.architecture} does not support --pp-size"):
         load_model(cls, config, ckpt, torch.float32, pp=PPStage(0, 2, 0, 1))
 

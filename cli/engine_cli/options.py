@@ -290,6 +290,17 @@ ENGINE_OPTIONS = [
                  type=click.IntRange(min=1),
                  help="Pipeline parallelism: stages that each hold a contiguous run of layers; "
                       "a batch goes through them as --pp-size micro-batches."),
+    click.option("--ep-size", "--expert-parallel-size", "ep_size", default=_D.ep_size,
+                 type=click.IntRange(min=1),
+                 help="Expert parallelism for MoE models: their experts split into this many "
+                      "runs of whole experts over the --tp-size ranks (must divide it; each "
+                      "expert's intermediate cut over the tp/ep ranks of its run); one "
+                      "all-reduce per MoE layer."),
+    click.option("--enable-expert-parallel", is_flag=True, default=False,
+                 help="vLLM's spelling of --ep-size equal to --tp-size."),
+    click.option("--enable-dp-attention", is_flag=True, default=False,
+                 help="SGLang's data-parallel attention across the ranks: not supported yet "
+                      "(refused)."),
     click.option("--pp-max-micro-batch-size", type=click.IntRange(min=1),
                  help="Requests per pipeline micro-batch (more micro-batches overlap the stages "
                       "better, each one smaller).  [default: a batch is cut into --pp-size "

@@ -82,6 +82,11 @@ class EngineConfig:
     # Engine is one replica)
     tp_size: int = 1
     pp_size: int = 1
+    # MoE experts split over the tp ranks into ep_size runs of whole experts (SGLang's
+    # --ep-size; must divide tp_size); enable_expert_parallel is vLLM's spelling of ep = tp
+    ep_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_dp_attention: bool = False  # SGLang's; refused: not supported yet
     dp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -218,6 +223,19 @@ class EngineConfig:
         need(not self.enable_torch_compile or self.tp_size * self.pp_size == 1,
              "--enable-torch-compile with --tp-size or --pp-size > 1 is not supported yet (the "
              "compiled decoder would hold the ranks' collectives); drop one of them.")
+        need(self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}")
+        if self.enable_expert_parallel:
+            need(self.ep_size in (1, self.tp_size),
+                 f"--ep-size {self.ep_size} and --enable-expert-parallel (vLLM's: ep = --tp-size "
+                 f"{self.tp_size}) set the same knob to different values; give one of them.")
+            self.ep_size = self.tp_size
+        need(self.tp_size % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}: the experts are "
+             f"split over the ranks of the tp group; use e.g. --tp-size {self.ep_size} "
+             f"--ep-size {self.ep_size}.")
+        need(not self.enable_dp_attention,
+             "--enable-dp-attention (attention data-parallel across the ranks) is not supported "
+             "yet; drop it: --tp-size splits the attention, --ep-size the experts.")
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              f"--nnodes {self.nnodes} needs --dist-init-addr host:port: the address of node 0, "
              f"where the other nodes meet it (give every node the same one).")

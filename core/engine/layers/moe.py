@@ -24,6 +24,11 @@ The router is a module with ``select(x, top_k, renormalize, weight_dtype) -> (we
 ``Router`` (the logits' softmax top-k above), or another routing handed to ``SparseMoE`` as
 ``gate`` (DeepSeek's grouped top-k with sigmoid or softmax scores: layers/moe_routing.py).
 
+Over a tensor-parallel group (``tp``: engine.parallel.moe builds the experts) a rank holds a
+slice of every expert, or whole experts of its own (``--ep-size``), the others standing as
+``AbsentExpert``; its sum is partial and one all-reduce over the group completes the block
+(``tp.all_reduce``, after the cast to the model's dtype, as a dense row-parallel layer's).
+
 The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
 once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
 ``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``).
@@ -88,6 +93,10 @@ class Expert(nn.Module):
         return self.down(F.silu(gate).mul_(up))
 
 
+class AbsentExpert(nn.Module):
+    """An expert another expert-parallel rank holds: no weights here, its tokens skipped."""
+
+
 class SparseMoE(nn.Module):
     """``gate`` (the router) and ``experts`` (a list of ``Expert``), as the checkpoints name
     them; ``forward`` x [T, hidden] -> [T, hidden]."""
@@ -95,17 +104,30 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, names: tuple[str, str, str] = ("gate_proj", "up_proj",
                                                                      "down_proj"),
-                 float32_weights: bool = False, gate: nn.Module | None = None):
-        """``gate``: the router (a module with ``select``, see above); default ``Router``."""
+                 float32_weights: bool = False, gate: nn.Module | None = None,
+                 experts: nn.ModuleList | None = None, tp=None):
+        """``gate``: the router (a module with ``select``, see above); default ``Router``.
+        ``experts`` and ``tp``: a rank's experts (engine.parallel.moe) and its tensor-parallel
+        group, whose all-reduce completes the block; default every expert whole, no group."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.float32_weights = renormalize, float32_weights
         self.gate = Router(hidden_size, num_experts) if gate is None else gate
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, *names)
-                                     for _ in range(num_experts))
+        self.experts = experts if experts is not None else nn.ModuleList(
+            Expert(hidden_size, intermediate_size, *names) for _ in range(num_experts))
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.routed(x).to(x.dtype))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """``y``, this rank's partial output, summed over the tensor-parallel group."""
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden] (float32 for half models) over the
+        experts (or slices) this rank holds."""
         k = self.top_k
         weights, ids = self.gate.select(x, k, self.renormalize,
                                         torch.float32 if self.float32_weights else x.dtype)
@@ -120,14 +142,14 @@ class SparseMoE(nn.Module):
         out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
         start = 0
         for expert, n in zip(self.experts, counts):
-            if n:
-                end = start + n
+            end = start + n
+            if n and not isinstance(expert, AbsentExpert):
                 y = expert(rows[start:end])
                 y = y.mul_(pair_weights[start:end]) if y.dtype == pair_weights.dtype == \
                     out.dtype else (y * pair_weights[start:end]).to(out.dtype)
                 out.index_add_(0, tokens[start:end], y)
-                start = end
-        return out.to(x.dtype)
+            start = end
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, "

@@ -66,7 +66,8 @@ class DeepseekDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int) -> str | None:
+def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
+                     ep_size: int = 1) -> str | None:
     """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks (None: it can)."""
     if tp_size * pp_size == 1:
         return None

@@ -15,7 +15,9 @@ From safetensors it reads only that chunk (``get_slice``); a GGUF's tensors arri
 
 With a pipeline stage (``pp``) the model holds only the stage's part; a checkpoint tensor that
 the model calls another stage's (``other_stage_tensor(name)``) is skipped by name, before it is
-read (or, from a GGUF, dequantized). A model may load a checkpoint tensor under another of its
+read (or, from a GGUF, dequantized); with a tp group a model's ``other_rank_tensor(name)``
+says it in place of ``other_stage_tensor`` (also true for the experts another expert-parallel
+rank holds: engine.parallel.experts). A model may load a checkpoint tensor under another of its
 names (``checkpoint_aliases()``: a tied head on a last stage reads the embedding's tensor).
 """
 
@@ -140,9 +142,13 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype, tp=None
         return name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
 
     keep = None
-    if pp is not None:
+    # another rank's tensor: another stage's layers, another expert-parallel rank's experts
+    elsewhere = getattr(model, "other_rank_tensor", None) if tp is not None else None
+    if elsewhere is None and pp is not None:
+        elsewhere = model.other_stage_tensor
+    if elsewhere is not None:
         def keep(name: str) -> bool:
-            return name in index or not (ignored(name) or model.other_stage_tensor(name))
+            return name in index or not (ignored(name) or elsewhere(name))
     seen = set()
     for name, tensor, cut, full_shape in _tensors(ckpt, dtype, index, tp, keep):
         if ignored(name):

@@ -7,10 +7,14 @@ llama.py's; the block is layers/moe.py's ``SparseMoE``, named as the checkpoints
 ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{i}.w1/w3/w2``), so the loader maps the
 per-expert tensors one to one as it does a dense layer's.
 
-Not yet (issue 31's later parts), each refused with its reason: tensor parallelism and expert
-parallelism (``--tp-size``, ``--ep-size``), pipeline stages (``--pp-size``), CUDA graphs and
-piecewise CUDA graphs (the expert loop reads its per-expert counts on the host), the CPU graph
-(no MoE node yet)."""
+With ``--tp-size`` the attention is llama.py's tensor-parallel attention and each sparse block
+holds this rank's experts (engine.parallel.moe: every expert's intermediate slice, or with
+``--ep-size`` whole experts of its own), the router whole, one all-reduce per block; the
+checkpoint tensors of experts another rank holds are never read (``other_rank_tensor``).
+
+Not yet (issue 31's later parts), each refused with its reason: pipeline stages
+(``--pp-size``), CUDA graphs and piecewise CUDA graphs (the expert loop reads its per-expert
+counts on the host), the CPU graph (no MoE node yet)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ from engine.interfaces import GraphUnsupported
 from engine.layers.moe import SparseMoE
 from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.parallel.experts import (ExpertPlacement, checkpoint_expert, expert_placement,
+                                     expert_problem)
 from engine.parallel.group import TPGroup
+from engine.parallel.moe import rank_experts
 
 
 class MoELayout(NamedTuple):
@@ -43,15 +50,28 @@ CUDA_GRAPH_REASON = ("MoE layers read their per-expert token counts on the host,
                      "captured graph cannot (the fused GPU MoE kernel is issue 31's later part)")
 
 
-def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int) -> str | None:
-    """Why an MoE ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks (None: it
-    can, or it is no MoE model)."""
-    if not config.num_experts or tp_size * pp_size == 1:
+def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
+                     ep_size: int = 1) -> str | None:
+    """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks with ``--ep-size``
+    ``ep_size`` as far as its experts go (None: it can; a dense model with ``ep_size`` 1)."""
+    if not config.num_experts:
+        if ep_size > 1:
+            return (f"--ep-size {ep_size} splits a mixture-of-experts model's experts, and "
+                    f"{config.architecture} has none; drop --ep-size (or "
+                    f"--enable-expert-parallel).")
         return None
-    return (f"{config.architecture} is a mixture-of-experts model ({config.num_experts} "
-            f"experts), which the engine serves in one process for now: --tp-size does not "
-            f"split its experts, expert parallelism (--ep-size, issue 31) is not available "
-            f"yet, nor are --pp-size stages for it. Serve it with --tp-size 1 --pp-size 1.")
+    if pp_size > 1:
+        return (f"{config.architecture} is a mixture-of-experts model ({config.num_experts} "
+                f"experts): --pp-size stages are not available for it yet; serve it with "
+                f"--pp-size 1 (--tp-size and --ep-size split it).")
+    problem = expert_problem(config.num_experts, config.moe_intermediate_size, tp_size, ep_size)
+    return f"{config.architecture}: {problem}" if problem else None
+
+
+def held_elsewhere(place: ExpertPlacement | None, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a routed expert's that another rank holds."""
+    expert = checkpoint_expert(name)
+    return place is not None and expert is not None and not place.holds(expert)
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -59,11 +79,12 @@ class MoEDecoderLayer(DecoderLayer):
                      global_id: int) -> tuple[str, nn.Module]:
         if not config.is_moe_layer(global_id):
             return super().feed_forward(config, tp, global_id)
-        layout = LAYOUTS[config.architecture]
-        return layout.block, SparseMoE(config.hidden_size, config.moe_intermediate_size,
-                                       config.num_experts, config.num_experts_per_tok,
-                                       config.norm_topk_prob, layout.names,
-                                       layout.float32_weights)
+        layout, c = LAYOUTS[config.architecture], config
+        experts = None if tp is None else rank_experts(
+            c.hidden_size, c.moe_intermediate_size, c.num_experts, layout.names, tp)[0]
+        return layout.block, SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts,
+                                       c.num_experts_per_tok, c.norm_topk_prob, layout.names,
+                                       layout.float32_weights, experts=experts, tp=tp)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -73,13 +94,21 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
         problem = parallel_problem(config, 1 if tp is None else tp.size,
-                                   1 if pp is None else pp.size)
+                                   1 if pp is None else pp.size,
+                                   1 if tp is None else getattr(tp, "ep_size", 1))
         if problem:
             raise EngineError(problem)
         if config.architecture not in LAYOUTS:
             raise EngineError(f"{config.architecture} has no MoE layout here (known: "
                               f"{', '.join(LAYOUTS)}).")
         super().__init__(config, tp, pp)
+        # where this rank's experts are (None: one process, every expert whole)
+        self.experts_placement = None if tp is None else expert_placement(
+            config.num_experts, config.moe_intermediate_size, tp)
+
+    def other_rank_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""
+        return self.other_stage_tensor(name) or held_elsewhere(self.experts_placement, name)
 
     def piecewise_parts(self):
         raise GraphUnsupported(CUDA_GRAPH_REASON)

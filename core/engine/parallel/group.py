@@ -14,8 +14,10 @@ from engine.errors import EngineError
 
 
 class TPGroup:
-    def __init__(self, rank: int, size: int, group=None):
-        self.rank, self.size, self.group = rank, size, group
+    def __init__(self, rank: int, size: int, group=None, ep_size: int = 1):
+        """``ep_size``: --ep-size, how many runs of whole experts an MoE layer's experts are
+        split into over this group (engine.parallel.experts; 1: every rank a slice of each)."""
+        self.rank, self.size, self.group, self.ep_size = rank, size, group, ep_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place."""

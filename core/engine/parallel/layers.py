@@ -31,6 +31,19 @@ class ColumnParallelLinear(MergedLinear):
         return self.cuts[shard]
 
 
+class PartialRowLinear(Linear):
+    """Input columns cut (``cut``: dim 1, chunk ``cut.index`` of ``cut.parts``), no bias, the
+    output left partial: the caller sums it over the ranks (an MoE block's experts, summed
+    with one all-reduce for the whole block)."""
+
+    def __init__(self, in_features: int, out_features: int, cut: Cut, what: str):
+        super().__init__(split_evenly(in_features, cut.parts, what), out_features)
+        self.cut = cut
+
+    def tp_cut(self, local: str, shard: str | None) -> Cut | None:
+        return self.cut if local == "weight" else None
+
+
 class RowParallelLinear(Linear):
     """Input columns cut over the ranks; the partial outputs are all-reduced, then the (full,
     replicated) bias is added once."""

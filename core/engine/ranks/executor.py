@@ -113,8 +113,15 @@ class ParallelRunner:
         t = self.topo
         sizes = ", ".join(f"{t.describe(r)} {w / (1 << 20):.1f} MiB weights, {kv} B/token KV"
                           for r, (w, kv) in enumerate(self.rank_sizes))
+        place = self.experts_placement()
+        experts = f"; MoE: {place.describe()}" if place is not None else ""
         return (f"parallel: tp_size={t.tp}, pp_size={t.pp}, nnodes={t.nnodes}: {t.world} ranks "
-                f"over {dist.get_backend()}; {sizes}")
+                f"over {dist.get_backend()}; {sizes}{experts}")
+
+    def experts_placement(self):
+        """Where an MoE model's experts are over the tp ranks (engine.parallel.experts), or
+        None for a dense model."""
+        return getattr(self.inner.model, "experts_placement", None)
 
     def info(self) -> dict:
         """/get_server_info's "parallel": the layout and every rank's sizes (and local pids)."""
@@ -125,9 +132,13 @@ class ParallelRunner:
         ranks = [{"rank": r, "tp_rank": t.tp_rank(r), "pp_rank": t.pp_rank(r),
                   "node": t.node_of(r), "pid": pids.get(r), "weight_bytes": w,
                   "kv_bytes_per_token": kv} for r, (w, kv) in enumerate(self.rank_sizes)]
+        place = self.experts_placement()
+        experts = {} if place is None else {"ep_size": place.ep_size,
+                                            "experts_per_rank": place.per_rank,
+                                            "num_experts": place.num_experts}
         return {"tp_size": t.tp, "pp_size": t.pp, "nnodes": t.nnodes, "world_size": t.world,
                 "backend": dist.get_backend() if dist.is_initialized() else None,
-                "ranks": ranks, "failure": self.failure}
+                "ranks": ranks, "failure": self.failure, **experts}
 
     def close(self) -> None:
         """Stop the workers (they exit on their own when rank 0 dies without this)."""

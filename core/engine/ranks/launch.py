@@ -16,7 +16,7 @@ from engine.errors import EngineError
 from engine.models import default
 from engine.models.checkpoint import open_checkpoint
 from engine.models.config import ModelConfig
-from engine.models.moe import parallel_problem
+from engine.models import deepseek, moe
 from engine.parallel.shard import rank_head_counts, split_evenly
 from engine.parallel.stage import split_layers
 from engine.plugins import get_registries
@@ -104,12 +104,14 @@ def serve_node(config, log_level: str = "info") -> None:
 def check_model_splits(config, model_config) -> None:
     """Refuse, before any process starts, a model that does not split over the ranks."""
     mc = model_config
-    problem = parallel_problem(mc, config.tp_size, config.pp_size)
+    problem = (deepseek if mc.mla is not None else moe).parallel_problem(
+        mc, config.tp_size, config.pp_size, config.ep_size)
     if problem:
         raise EngineError(problem)
     if config.tp_size > 1:
         rank_head_counts(mc.num_heads, mc.num_kv_heads, config.tp_size)
-        split_evenly(mc.intermediate_size, config.tp_size, "intermediate_size rows")
+        if not all(mc.is_moe_layer(i) for i in range(mc.num_layers)):  # a dense MLP to cut
+            split_evenly(mc.intermediate_size, config.tp_size, "intermediate_size rows")
     if config.pp_size > 1:
         split_layers(mc.num_layers, config.pp_size)
     if config.quantization and config.tp_size > 1:

@@ -27,7 +27,7 @@ from engine.parallel.topology import Topology
 logger = logging.getLogger("engine.parallel")
 BEAT_S = 1.0  # a worker's heartbeat period
 # flags every node must be started with alike (the rest only matter on node 0)
-NODE_FLAGS = ("tp_size", "pp_size", "nnodes", "dtype", "device", "kv_cache_dtype",
+NODE_FLAGS = ("tp_size", "pp_size", "ep_size", "nnodes", "dtype", "device", "kv_cache_dtype",
               "quantization", "attention_backend", "page_size", "max_model_len")
 
 

@@ -68,7 +68,8 @@ def join_world(config, topo: Topology, rank: int, store, strategy, num_layers: i
               for s in range(topo.pp)]
     tp = None
     if topo.tp > 1:
-        tp = TPGroup(topo.tp_rank(rank), topo.tp, group=groups[topo.pp_rank(rank)])
+        tp = TPGroup(topo.tp_rank(rank), topo.tp, group=groups[topo.pp_rank(rank)],
+                     ep_size=config.ep_size)
     stage = None
     if topo.pp > 1:
         stage = make_stage(num_layers, topo.pp_rank(rank), topo.pp)
