@@ -29,3 +29,14 @@ def test_vllm_names_follow_the_same_counts():
     assert m["engine:num_preemptions_total"] == m["engine:num_retracted_reqs_total"] == 5
     assert m["engine:gpu_cache_usage_perc"] == m["engine:kv_cache_usage_perc"] == 0.25
     assert m["engine:token_usage"] == 0.25 and m["engine:num_running_reqs"] == 2
+
+
+def test_memory_left_at_start_is_a_gauge_sglangs_name_on_a_gpu():
+    metrics = ServerMetrics("m")
+    for cuda, gpu_value in ((False, 0.0), (True, 6.5)):
+        engine = SimpleNamespace(available_memory=int(6.5 * (1 << 30)),
+                                 device=SimpleNamespace(is_cuda=cuda))
+        metrics.started(engine)
+        m = samples(metrics)
+        assert m["engine:startup_available_memory_gb"] == 6.5
+        assert m["engine:startup_available_gpu_memory_gb"] == gpu_value

@@ -186,6 +186,33 @@ RULES = (queue_empty, low_token_usage, frequent_retractions, long_queue, prefill
 SYMPTOMS = tuple(rule.__name__ for rule in RULES)
 
 
+GOOD_AVAILABLE_GB = (5.0, 8.0)  # "5-8 GB" of GPU memory left after start: good
+
+
+def memory_at_start(available_bytes: int, on_gpu: bool,
+                    mem_fraction_static: float | None) -> Advice | None:
+    """The guide's rule for --mem-fraction-static, on the GPU memory still available once the
+    weights, the KV pool and the CUDA graphs are in place: 5-8 GB is good; less risks running
+    out of memory while serving, more is memory the KV pool could have. (On a CPU the RAM left
+    is the system's, not the engine's to fill: no advice.)"""
+    if not on_gpu:
+        return None
+    gb = available_bytes / (1 << 30)
+    low, high = GOOD_AVAILABLE_GB
+    numbers = {"available_gb": round(gb, 2), "mem_fraction_static": mem_fraction_static}
+    if gb < low:
+        return Advice("memory_at_start", (
+            f"{gb:.2f} GB of GPU memory is available after start (under {low:g} GB; "
+            f"{low:g}-{high:g} GB is good): activations or a long prefill may run out of "
+            f"memory. Decrease --mem-fraction-static (now {mem_fraction_static})."), numbers)
+    if gb > high:
+        return Advice("memory_at_start", (
+            f"{gb:.2f} GB of GPU memory is available after start (over {high:g} GB; "
+            f"{low:g}-{high:g} GB is good): the KV cache pool could hold more. Increase "
+            f"--mem-fraction-static (now {mem_fraction_static})."), numbers)
+    return None
+
+
 def diagnose(samples: list[Sample], settings: Settings) -> list[Advice]:
     """Every symptom the samples show, in RULES order."""
     return [a for rule in RULES if (a := rule(samples, settings)) is not None]

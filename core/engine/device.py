@@ -51,6 +51,16 @@ def _meminfo(key: str) -> int:
     return 0
 
 
+def available_now(device: DeviceInfo) -> int:
+    """Bytes free on ``device`` now: the GPU's (CUDA's own count), or the RAM the OS says is
+    available."""
+    if device.is_cuda:
+        import torch
+
+        return torch.cuda.mem_get_info(0)[0]
+    return _meminfo("MemAvailable")
+
+
 def cpu_device() -> DeviceInfo:
     flags = _cpu_flags()
     bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})

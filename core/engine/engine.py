@@ -91,6 +91,8 @@ class Engine:
         import torch
 
         from engine.cpu_graph.replay import build_cpu_graph
+        from engine.device import available_now
+        from engine.memory import report
         from engine.cuda_graph import capture_decode_graphs
         from engine.grammar import build_compiler
         from engine.piecewise_cuda_graph import capture_piecewise_graphs
@@ -101,10 +103,14 @@ class Engine:
         self.runner, device, weights, kv_per_token = start_runner(
             config, self.checkpoint, self.model_config, regs, self.device, resolved,
             self.parallel)
+        logger.info(report.weights_line(self.model_config.architecture, self.runner.dtype,
+                                        available_now(self.device), weights))
         self.sizing = sizing = plan_memory(config, self.runner, device, weights, kv_per_token,
                                            resolved)
         pool = self.runner.init_kv_pool(sizing.max_total_tokens, config.page_size,
                                         sizing.max_running_requests, sizing.context_length)
+        for line in report.pool_lines(pool, available_now(self.device)):
+            logger.info(line)
         warm_up_compiled(self.runner, config)
         self.cuda_graph = capture_decode_graphs(self.runner, config, self.device, sizing,
                                                 self.attention_backend)
@@ -122,7 +128,10 @@ class Engine:
             self.scheduler.spec = make_spec_decoder(
                 self.spec_entry, self.spec_settings, self.runner, sizing.context_length,
                 draft_model_loader(config, regs, self.device, resolved, sizing))
-        for line in start_lines(self, resolved):
+        # what is left for the server (the tuning guide's 5-8 GB rule: the advisor applies it)
+        self.available_memory = available_now(self.device)
+        for line in [*start_lines(self, resolved), report.ready_line(self.device,
+                                                                     self.available_memory)]:
             logger.info(line)
 
     # -- requests ------------------------------------------------------------------------------

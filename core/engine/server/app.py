@@ -107,6 +107,8 @@ async def server_info(request: Request):
     if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
         info["parallel"] = engine.runner.info()
     info["prefill_oom_errors"] = engine.scheduler.counters.prefill_oom_errors
+    info["available_memory_at_start_gb"] = round(
+        getattr(engine, "available_memory", 0) / (1 << 30), 2)
     spec = engine.scheduler.spec  # --speculative-algorithm: its settings and counts
     info["speculative"] = None if spec is None else {**spec.settings.as_dict(),
                                                      **spec.stats.as_dict()}

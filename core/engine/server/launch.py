@@ -60,6 +60,7 @@ def build_server(engine, settings: ServerSettings, log_level: str = "info") -> G
     """The uvicorn server for ``engine`` (its ``runtime`` attribute is the engine loop); its
     ``run()`` serves until a signal (or ``should_exit``) stops it."""
     metrics = ServerMetrics(settings.served_model_name)
+    metrics.started(engine)
     trace = TraceRecorder(settings.record_trace) if settings.record_trace else None
     runtime = EngineRuntime(engine, metrics, engine.config.max_queued_requests, trace)
     app = build_app(runtime, settings, metrics)

@@ -87,9 +87,22 @@ class ServerMetrics:
                                   "cache tiers.", ["model_name", "direction"], registry=registry)
         self._model_name = model_name
         self._tiers_seen: dict = {}
+        # what was left after the weights, the KV pool and the graphs (SGLang's gauge on a GPU;
+        # the RAM left on a CPU): the tuning guide's "5-8 GB is good"
+        self.available_at_start = gauge("startup_available_memory_gb", "Memory (GiB) available "
+                                        "once the weights, KV pool and graphs were in place.")
+        self.available_gpu_at_start = gauge("startup_available_gpu_memory_gb",
+                                            "GPU memory (GiB) available after start (SGLang's "
+                                            "name; 0 on a CPU).")
         self._seen = dict.fromkeys(_COUNTED, 0)
         self._spec_seen = (0, 0)
         self._history = collections.deque()  # (time, generation tokens so far)
+
+    def started(self, engine) -> None:
+        """The engine's start-time figures."""
+        available = getattr(engine, "available_memory", 0) / (1 << 30)
+        self.available_at_start.set(available)
+        self.available_gpu_at_start.set(available if engine.device.is_cuda else 0.0)
 
     def sync(self, scheduler) -> None:
         """Bring every metric up to date with ``scheduler`` (call on the engine thread)."""

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 
-from engine.advice import Sample, Settings, diagnose
+from engine.advice import Sample, Settings, diagnose, memory_at_start
 
 logger = logging.getLogger("engine.advisor")
 WINDOW = 64  # steps judged together
@@ -66,7 +66,14 @@ def start(engine) -> None:
     sizing, config = engine.sizing, engine.config
     settings = Settings(sizing.max_running_requests, sizing.chunked_prefill_size,
                         config.schedule_conservativeness)
-    _keep(engine.scheduler.extra_info, Advisor(settings, engine.scheduler.extra_info))
+    info = engine.scheduler.extra_info
+    _keep(info, Advisor(settings, info))
+    available = getattr(engine, "available_memory", None)  # an engine older than this: none
+    advice = None if available is None else memory_at_start(
+        available, engine.device.is_cuda, sizing.mem_fraction_static)
+    if advice is not None:
+        logger.warning(f"advisor: {advice.message}")
+        info["advice"].append({**advice.as_dict(), "step": 0})
 
 
 def observe(stats) -> None:

@@ -210,3 +210,35 @@ def test_an_engine_started_before_the_plugin_is_judged_from_then_on():
     observe(StepStats(64, "decode", 8, 300, 950, 1000, totals=totals, max_running_requests=8,
                       extra_info=info))
     assert [a["symptom"] for a in info["advice"]] == ["frequent_retractions"]
+
+
+def test_the_memory_left_at_start_is_logged_and_judged(model, caplog, monkeypatch):
+    """SGLang's memory lines come before the server is ready; the guide's 5-8 GB rule on what a
+    GPU has left (a CPU's RAM is the system's: no advice there)."""
+    from types import SimpleNamespace
+
+    from engine.advice import memory_at_start
+    from engine_advisor import advisor as adv
+
+    caplog.set_level(logging.INFO, logger="engine")
+    engine = Engine(model, max_total_tokens=500)
+    text = caplog.text
+    for words in ("Load weight end. type=LlamaForCausalLM, dtype=torch.float32, avail mem=",
+                  "KV Cache is allocated. #tokens: 500, K size: ", "Memory pool end. avail mem=",
+                  "memory at start: available_mem="):
+        assert words in text
+    assert engine.available_memory > 0
+    assert not [a for a in engine.scheduler.extra_info["advice"]
+                if a["symptom"] == "memory_at_start"]  # a CPU: no advice
+    gb = 1 << 30
+    assert memory_at_start(6 * gb, True, 0.88) is None
+    low = memory_at_start(2 * gb, True, 0.88)
+    assert "Decrease --mem-fraction-static (now 0.88)" in low.message
+    assert "Increase --mem-fraction-static" in memory_at_start(20 * gb, True, 0.7).message
+    assert memory_at_start(2 * gb, False, 0.88) is None
+    # on a GPU with little left, the advisor says so at start
+    fake = SimpleNamespace(sizing=engine.sizing, config=engine.config, available_memory=2 * gb,
+                           device=SimpleNamespace(is_cuda=True),
+                           scheduler=SimpleNamespace(extra_info={}))
+    adv.start(fake)
+    assert fake.scheduler.extra_info["advice"][0]["symptom"] == "memory_at_start"
