@@ -1,6 +1,7 @@
 """Mixture-of-experts models over tp ranks (engine/parallel/experts.py, parallel/moe.py):
 --tp-size cuts every expert's intermediate dimension, --ep-size gives each rank whole experts
-of its own; either way one all-reduce per MoE layer. Through the Engine (rank 0 here, the
+of its own; either way one all-reduce per MoE layer. DeepSeek's MLA heads are cut and its
+latent replicated (parallel/mla.py). Through the Engine (rank 0 here, the
 others worker processes over gloo) each layout generates exactly what one process generates,
 greedy and seeded, with chunked prefill, prefix-cache hits and retraction; a rank loads only
 its experts' slices; bad layouts are refused before any process starts. Every wait is bounded
@@ -16,7 +17,7 @@ import torch
 
 from engine.engine import Engine
 from engine.registry import EngineError
-from engine_testing.checkpoints import MOE_CASES
+from engine_testing.checkpoints import DEEPSEEK_CASES, MOE_CASES
 
 SHARED = "Beautiful is better than ugly. Explicit is better than implicit. "
 PROMPTS = [SHARED + "Simple", SHARED + "Flat is better", "Now", "Errors should never pass silently."]
@@ -30,8 +31,13 @@ BASE = dict(device="cpu", dtype="float32", attention_backend="torch_native", see
 
 @pytest.fixture(scope="module")
 def models(tiny_model_factory):
-    return {case: tiny_model_factory(arch, **kw) for case, (arch, kw) in MOE_CASES.items()
-            if case in ("qwen3_moe_mlp_only", "mixtral_window")}
+    cases = {**MOE_CASES, **DEEPSEEK_CASES,
+             # no q LoRA with an attention bias: q_proj apart from kv_a_proj_with_mqa
+             "v2_lite_bias": (DEEPSEEK_CASES["v2_lite_greedy"][0],
+                              {**DEEPSEEK_CASES["v2_lite_greedy"][1], "attention_bias": True})}
+    return {case: tiny_model_factory(*cases[case][:1], **cases[case][1])
+            for case in ("qwen3_moe_mlp_only", "mixtral_window", "v3_noaux_tc", "v2_lite_bias",
+                         "v2_group_limited")}
 
 
 @pytest.fixture(autouse=True)
@@ -61,13 +67,20 @@ def one_process(path: str):
     ("mixtral_window", {"tp_size": 2, "enable_expert_parallel": True}, 4),  # vLLM's ep = tp
     # 4 ranks: 2 runs of 4 experts, each expert cut over the 2 ranks of its run
     ("qwen3_moe_mlp_only", {"tp_size": 4, "ep_size": 2}, 4),
+    # DeepSeek: MLA heads cut, the latent replicated; shared experts and dense layers cut
+    ("v3_noaux_tc", {"tp_size": 2, "ep_size": 2}, 8),  # q LoRA, sigmoid noaux_tc, 16 experts
+    ("v2_lite_bias", {"tp_size": 2}, 8),  # q_proj alone (a bias), a dense first layer
+    ("v2_group_limited", {"tp_size": 2, "ep_size": 2}, 4),  # q LoRA, biases, group-limited
 ])
 def test_moe_over_ranks_generates_what_one_process_does(models, case, parallel, per_rank):
     ref, retracted = one_process(models[case])
     got, retracted_too, info = generate(models[case], **parallel)
     assert got == ref
     assert retracted_too == retracted > 0
-    assert info["experts_per_rank"] == per_rank and info["num_experts"] == 8
+    assert info["experts_per_rank"] == per_rank
+    assert info["num_experts"] == per_rank * info["ep_size"]
+    if case.startswith("v"):  # every rank holds the same latent rows as one process
+        assert len({r["kv_bytes_per_token"] for r in info["ranks"]}) == 1
 
 
 def test_the_start_log_says_where_the_experts_are(models, caplog):
@@ -124,10 +137,13 @@ def test_a_rank_loads_only_its_experts_slices(models, registries, ep):
                                                      "model's experts, and LlamaForCausalLM has "
                                                      "none"),
     ({"tp_size": 2, "pp_size": 2}, "--pp-size stages are not available for it yet"),
+    ({"tp_size": 2, "pp_size": 2, "model": "v3_noaux_tc"},
+     "multi-head latent attention, 16 experts\\): --pp-size stages are not available"),
 ])
 def test_bad_layouts_are_refused_before_any_process_starts(models, tiny_model_dir, kwargs,
                                                            match):
-    model = tiny_model_dir if kwargs.pop("model", None) else models["mixtral_window"]
+    name = kwargs.pop("model", "mixtral_window")
+    model = tiny_model_dir if name == "dense" else models[name]
     with pytest.raises(EngineError, match=match):
         Engine(model, **{**BASE, **kwargs})
 

@@ -8,9 +8,14 @@ q_b_proj}``, ``self_attn.kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``
 ``mlp.gate.weight`` (+ ``e_score_correction_bias`` with noaux_tc), ``mlp.experts.{i}.*`` and
 ``mlp.shared_experts.*``.
 
-Not yet (issue 31's later parts), each refused with its reason: tensor, expert and pipeline
-parallelism; CUDA graphs and piecewise CUDA graphs; the CPU graph; attention backends without
-MLA (``register_attention_backends(mla=True)``: torch_native, and triton on a CUDA GPU)."""
+With ``--tp-size`` the attention heads are cut over the ranks, the latent replicated
+(engine.parallel.mla), the routed experts placed as models/moe.py's are (``--ep-size``), the
+shared experts and the dense MLPs cut like a dense MLP; one all-reduce per attention and per
+feed-forward block.
+
+Not yet (issue 31's later parts), each refused with its reason: pipeline parallelism; CUDA
+graphs and piecewise CUDA graphs; the CPU graph; attention backends without MLA
+(``register_attention_backends(mla=True)``: torch_native, and triton on a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -25,7 +30,11 @@ from engine.layers.moe_routing import GroupedTopKRouter
 from engine.layers.norm import RMSNorm
 from engine.models.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM
+from engine.models.moe import held_elsewhere
+from engine.parallel.experts import expert_placement, expert_problem
 from engine.parallel.group import TPGroup
+from engine.parallel.mla import ParallelMLAttention
+from engine.parallel.moe import rank_experts, shared_expert
 
 CUDA_GRAPH_REASON = ("DeepSeek models are not captured yet: MoE layers read their per-expert "
                      "token counts on the host, and MLA decode steps have not run in a captured "
@@ -38,18 +47,25 @@ class DeepseekMoE(SparseMoE):
     """The routed experts (DeepSeek's routing, float32 weights as transformers') plus the
     shared experts every token runs, summed."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         c, r = config, config.routing
+        experts = None if tp is None else rank_experts(
+            c.hidden_size, c.moe_intermediate_size, c.num_experts,
+            ("gate_proj", "up_proj", "down_proj"), tp)[0]
         super().__init__(c.hidden_size, c.moe_intermediate_size, c.num_experts,
                          c.num_experts_per_tok, c.norm_topk_prob, float32_weights=True,
-                         gate=GroupedTopKRouter(c.hidden_size, c.num_experts, r))
+                         gate=GroupedTopKRouter(c.hidden_size, c.num_experts, r),
+                         experts=experts, tp=tp)
         if r.n_shared_experts:
-            self.shared_experts = Expert(c.hidden_size,
-                                         c.moe_intermediate_size * r.n_shared_experts)
+            shared = c.moe_intermediate_size * r.n_shared_experts
+            self.shared_experts = (Expert(c.hidden_size, shared) if tp is None else
+                                   shared_expert(c.hidden_size, shared, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out + self.shared_experts(x) if hasattr(self, "shared_experts") else out
+        out = self.routed(x).to(x.dtype)
+        if hasattr(self, "shared_experts"):  # partial too over ranks: one all-reduce for both
+            out = out + self.shared_experts(x)
+        return self.reduce(out)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -57,9 +73,10 @@ class DeepseekDecoderLayer(nn.Module):
                  global_id: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer_id)
+        self.self_attn = (MLAttention(config, layer_id) if tp is None else
+                          ParallelMLAttention(config, layer_id, tp))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DeepseekMoE(config) if config.is_moe_layer(layer_id) else MLP(config)
+        self.mlp = DeepseekMoE(config, tp) if config.is_moe_layer(layer_id) else MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -68,14 +85,30 @@ class DeepseekDecoderLayer(nn.Module):
 
 def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
                      ep_size: int = 1) -> str | None:
-    """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks (None: it can)."""
-    if tp_size * pp_size == 1:
+    """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks with ``--ep-size``
+    ``ep_size`` (None: it can)."""
+    if pp_size > 1:
+        return (f"{config.architecture} (multi-head latent attention"
+                f"{f', {config.num_experts} experts' if config.num_experts else ''}): --pp-size "
+                f"stages are not available for it yet; serve it with --pp-size 1 (--tp-size and "
+                f"--ep-size split it).")
+    if tp_size == 1:
         return None
-    return (f"{config.architecture} (multi-head latent attention"
-            f"{f', {config.num_experts} experts' if config.num_experts else ''}) is served in "
-            f"one process for now: --tp-size does not split its latent attention or experts, "
-            f"expert parallelism (--ep-size, issue 31) is not available yet, nor are --pp-size "
-            f"stages for it. Serve it with --tp-size 1 --pp-size 1.")
+    c, what = config, []
+    if c.num_heads % tp_size:
+        what.append(f"its {c.num_heads} attention heads")
+    if any(not c.is_moe_layer(i) for i in range(c.num_layers)) and \
+            c.intermediate_size % tp_size:
+        what.append(f"its dense layers' intermediate size {c.intermediate_size}")
+    shared = c.moe_intermediate_size * (c.routing.n_shared_experts if c.routing else 0)
+    if c.num_experts and shared % tp_size:
+        what.append(f"its shared experts' intermediate size {shared}")
+    if what:
+        return (f"{c.architecture}: {' and '.join(what)} do not split over --tp-size "
+                f"{tp_size}; use a --tp-size that divides them.")
+    problem = c.num_experts and expert_problem(c.num_experts, c.moe_intermediate_size,
+                                               tp_size, ep_size)
+    return f"{c.architecture}: {problem}" if problem else None
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -85,12 +118,20 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
         problem = parallel_problem(config, 1 if tp is None else tp.size,
-                                   1 if pp is None else pp.size)
+                                   1 if pp is None else pp.size,
+                                   1 if tp is None else getattr(tp, "ep_size", 1))
         if problem:
             raise EngineError(problem)
         if config.mla is None:
             raise EngineError(f"{config.architecture} is no DeepSeek MLA architecture.")
-        super().__init__(config, None, None)
+        super().__init__(config, tp, None)
+        # where this rank's routed experts are (None: one process, every expert whole)
+        self.experts_placement = None if tp is None or not config.num_experts else \
+            expert_placement(config.num_experts, config.moe_intermediate_size, tp)
+
+    def other_rank_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""
+        return held_elsewhere(self.experts_placement, name)
 
     def piecewise_parts(self):
         raise GraphUnsupported(CUDA_GRAPH_REASON)

@@ -85,4 +85,6 @@ def rank_layer_specs(config, tp_size: int, pp=None) -> list:
             raise EngineError(f"pipeline parallelism: stage {pp.rank} holds layers {pp.start}.."
                               f"{pp.end - 1} but the model has {len(specs)}.")
         specs = specs[pp.start:pp.end]
-    return [replace(s, num_heads=heads, num_kv_heads=kv_heads) for s in specs]
+    # an MLA layer's one latent "head" is replicated on every rank (engine.parallel.mla)
+    return [replace(s, num_heads=heads, num_kv_heads=1 if s.kv_lora_rank else kv_heads)
+            for s in specs]
