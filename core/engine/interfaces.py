@@ -313,22 +313,43 @@ class DraftContext:
     with: the engine's speculative settings (an :class:`engine.speculative.SpecSettings`:
     ``algorithm``, ``num_draft_tokens``, ``num_steps``, ``eagle_topk``, ``draft_model_path``,
     ``ngram_min_match_window``, ``ngram_max_match_window``, ``ngram_max_bfs_breadth``), the
-    model's vocabulary size (its logits width), the device the target runs on and a loader of
-    draft models."""
+    model's vocabulary size (its logits width), the device the target runs on, a loader of
+    draft models and the target's runner."""
 
     settings: Any
     vocab_size: int
     device: Any
-    #: ``load_model(path) -> ModelRunner``: a draft model on the target's device, dtype and
-    #: attention backend, with its own KV pool (sized like the target's), ready to forward;
-    #: what a model-based drafter (engine.speculative.ModelDrafter) drafts with
+    #: ``load_model(path, model_cls=None) -> ModelRunner``: a draft model on the target's
+    #: device, dtype and attention backend, with its own KV pool (sized like the target's),
+    #: ready to forward; what a model-based drafter (engine.speculative.ModelDrafter) drafts
+    #: with. ``model_cls``: build that class (a draft head's, e.g. EAGLE's) whatever the
+    #: checkpoint's architecture; its forward takes ``hidden`` from ``runner.forward(batch,
+    #: hidden=...)``
     load_model: Any = None
+    #: the target's ModelRunner, to read: ``model_config``, and ``model`` whose embedding and
+    #: LM head a draft head may share (EAGLE's)
+    target: Any = None
 
 
 class Drafter(ABC):
     """Proposes draft tokens for running requests; the core verifies them in one target
     forward and keeps what the target itself would have produced, so a drafter can be wrong
     at no cost to the output (only to speed). Built once per engine; used from one thread."""
+
+    #: the target's hidden states this drafter reads (EAGLE), side by side in this order: an
+    #: int ``i`` is layer ``i``'s output (the residual stream), "norm" the last layer's output
+    #: after the final norm (what the LM head reads); () (the default): none. When set, the
+    #: core hands them to ``observe`` after every target forward, which then runs eagerly
+    #: (no CPU/CUDA graph)
+    hidden_states: tuple = ()
+
+    def observe(self, reqs: list, starts: list[int], hidden: list) -> None:
+        """With ``hidden_states`` set, after every target forward (prompt chunks, decodes,
+        verify steps): ``hidden[i]`` [n, D] are the hidden states of positions ``starts[i]``
+        .. ``starts[i] + n - 1`` of request ``reqs[i]``'s sequence (prompt + output), the
+        positions the forward computed and kept (a verify step's accepted ones only; a
+        radix-cache hit's prefix never comes). The tensors are the forward's own: copy what
+        is kept past the next forward."""
 
     @abstractmethod
     def propose(self, reqs: list, max_tokens: list[int]) -> list[Draft]:

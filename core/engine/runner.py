@@ -34,17 +34,20 @@ class ModelRunner:
     def __init__(self, model: str | Checkpoint, *, registries, device: DeviceInfo,
                  dtype: str = "auto", attention_factory=None, kv_dtype: KVDtype | None = None,
                  quant_method=None, compile_max_tokens: int | None = None,
-                 backend_options: dict | None = None, tp=None, pp=None):
+                 backend_options: dict | None = None, tp=None, pp=None, model_cls=None):
         """``model``: a path (HF directory or GGUF file) or an opened Checkpoint;
+        ``model_cls``: the class to build, whatever the checkpoint's architecture (a draft
+        head a plugin defines, e.g. EAGLE's; None: the registered class of its architecture);
         ``compile_max_tokens``: torch.compile the decoder stack for forwards up to that many
         tokens (``--enable-torch-compile``; see compile.py); ``tp``: this rank's TPGroup and
         ``pp``: its PPStage (engine.parallel): it holds and computes only its shard."""
         self.device, self.tp, self.pp = device, tp, pp
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
-        self.model_config = ModelConfig.from_checkpoint(ckpt, registries.models)
+        self.model_config = ModelConfig.from_checkpoint(
+            ckpt, registries.models if model_cls is None else None)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
         half_weights = cpu_half_weights(dtype, device)
-        model_cls = resolve_model_class(registries, self.model_config.architecture)
+        model_cls = model_cls or resolve_model_class(registries, self.model_config.architecture)
         parallel = {"tp": tp} if tp is not None else {}
         if pp is not None:
             parallel["pp"] = pp
@@ -183,11 +186,33 @@ class ModelRunner:
         self.cpu_graph = CpuGraphRunner(self, max_rows)
         return self.cpu_graph
 
+    def capture_hidden(self, which: tuple) -> None:
+        """From now on every forward keeps the hidden states ``which`` of every new token in
+        ``last_hidden`` (see LlamaForCausalLM.capture_hidden), for a drafter that reads them
+        (EAGLE). Those forwards run eagerly: the CPU/CUDA graphs are dropped."""
+        capture = getattr(self.model, "capture_hidden", None)
+        arch = self.model_config.architecture
+        if capture is None or self.tp is not None or self.pp is not None:
+            raise EngineError(f"{arch}{' on several ranks' if capture else ''} cannot hand its "
+                              f"hidden states to a drafter yet (a Llama-family model on one "
+                              f"process can)")
+        if self.compiled is not None:
+            raise EngineError("a drafter reading the target's hidden states with "
+                              "--enable-torch-compile is not supported yet: drop one of them")
+        capture(tuple(which))
+        self.cuda_graphs = self.piecewise_graphs = self.cpu_graph = None
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:
+        """[T, D]: the latest forward's hidden states that ``capture_hidden`` asked for."""
+        return getattr(self.model, "captured", None)
+
     def forward(self, batch: ForwardBatch, return_all_logits: bool = False,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [B, V] at each request's last new token ([T, V] with
         ``return_all_logits``). A pipeline stage (``pp``) after the first takes the previous
-        stage's ``hidden`` [T, hidden_size]; one before the last returns its own."""
+        stage's ``hidden`` [T, hidden_size]; one before the last returns its own. A draft head
+        that reads the target's hidden states (EAGLE) takes them as ``hidden``."""
         assert self.backend is not None, "call init_kv_pool() before forward()"
         graphs = self.cuda_graphs  # never captured with pp (a stage waits on another rank)
         self.last_cuda_graph = (graphs is not None and not return_all_logits
@@ -204,7 +229,7 @@ class ModelRunner:
         cpu_graph = self.cpu_graph
         if cpu_graph is not None and cpu_graph.can_run(batch):
             return cpu_graph.replay(batch, return_all_logits)
-        stage = {} if self.pp is None else {"hidden": hidden}
+        stage = {} if self.pp is None and hidden is None else {"hidden": hidden}
         with torch.inference_mode():
             self.backend.init_forward_metadata(batch)
             with forward_context(self.backend, batch):
@@ -213,14 +238,16 @@ class ModelRunner:
 
 
 def build_runner(config, checkpoint, registries, device, attn_entry, kv_entry, quant_entry,
-                 tp=None, pp=None) -> ModelRunner:
+                 tp=None, pp=None, model_cls=None) -> ModelRunner:
     """The ModelRunner of ``config`` once its names are resolved (the engine's, and every
-    tp/pp rank's: they must build alike)."""
+    tp/pp rank's: they must build alike); ``model_cls``: a draft head's class (see
+    ModelRunner), never compiled."""
     return ModelRunner(
         checkpoint, registries=registries, device=device, dtype=config.dtype,
         attention_factory=attn_entry.obj, kv_dtype=kv_entry.obj,
         # the backend's plugin's own serve options (EngineOption), as BackendContext.options
         backend_options=config.plugin_options.get(attn_entry.plugin, {}),
         quant_method=quant_entry.obj if quant_entry else None,
-        compile_max_tokens=config.torch_compile_max_bs if config.enable_torch_compile else None,
-        tp=tp, pp=pp)
+        compile_max_tokens=(config.torch_compile_max_bs
+                            if config.enable_torch_compile and model_cls is None else None),
+        tp=tp, pp=pp, model_cls=model_cls)

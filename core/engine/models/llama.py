@@ -142,6 +142,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # layers whose outputs a forward keeps in ``kept`` (layer index -> [T, hidden_size]): what
+    # LlamaForCausalLM.capture_hidden asks for, for a drafter reading them (EAGLE3)
+    keep_layers: frozenset = frozenset()
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
                  pp: PPStage | None = None, layer_cls: type = DecoderLayer):
         super().__init__()
@@ -176,14 +180,21 @@ class DecoderModel(nn.Module):
         """The hidden states after the (stage's) layers, before the final norm; ``hidden``: the
         previous pipeline stage's, instead of embedding ``input_ids``."""
         h, cos, sin = self.embed(input_ids, positions, hidden)
-        for layer in (self.layers if self.pp is None else self.layers.values()):
+        keep = self.keep_layers
+        if keep:
+            self.kept = {}
+        for i, layer in enumerate(self.layers if self.pp is None else self.layers.values()):
             h = layer(h, cos, sin)
+            if keep and i in keep:
+                self.kept[i] = h
         return h
 
 
 class LlamaForCausalLM(nn.Module):
     supports_pp = True  # load_model refuses --pp-size for a model class without it
     layer_cls = DecoderLayer  # models/moe.py's MoE models: one whose layers may be sparse
+    capture: tuple = ()  # the hidden states a forward keeps in ``captured`` (capture_hidden)
+    captured: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None,
                  pp: PPStage | None = None):
@@ -250,7 +261,34 @@ class LlamaForCausalLM(nn.Module):
             h = self.model(batch.input_ids, batch.positions, hidden)
         if pp is not None and not pp.is_last:
             return h
+        if self.capture:
+            return self._head_capturing(h, None if return_all_logits else batch.logits_indices)
         return self.head(h, None if return_all_logits else batch.logits_indices)
+
+    def capture_hidden(self, which: tuple) -> None:
+        """Keep, after every forward, ``captured`` [T, len(which) * hidden_size]: the hidden
+        states of every new token named by ``which``, side by side in its order: an int ``i``
+        is layer ``i``'s output (the residual stream before the next layer's norm), "norm" the
+        last layer's output after the final norm (what the LM head reads). For a drafter that
+        reads the target's hidden states (EAGLE: ("norm",); EAGLE3: three layers)."""
+        bad = [w for w in which if w != "norm" and not (
+            isinstance(w, int) and 0 <= w < self.config.num_layers)]
+        if bad or len(set(which)) != len(which):
+            raise EngineError(f"hidden states {list(which)} asked of a {self.config.num_layers}-"
+                              f"layer model: give distinct layer indices 0.."
+                              f"{self.config.num_layers - 1} or 'norm'")
+        self.capture = tuple(which)
+        self.model.keep_layers = frozenset(w for w in which if w != "norm")
+
+    def _head_capturing(self, h: torch.Tensor, logits_indices) -> torch.Tensor:
+        """``head`` that also keeps ``captured`` (see capture_hidden)."""
+        normed = self.model.norm(h) if "norm" in self.capture else None
+        kept = self.model.kept if self.model.keep_layers else {}
+        parts = [normed if w == "norm" else kept[w] for w in self.capture]
+        self.captured = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+        if normed is None:
+            return self.head(h, logits_indices)
+        return self.lm_head(normed if logits_indices is None else normed[logits_indices])
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """Logits of the final hidden states ``h`` at ``logits_indices`` (None: every row)."""

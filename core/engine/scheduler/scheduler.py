@@ -260,6 +260,8 @@ class Scheduler(Commit):
             logits = record(self.runner.forward(batch, return_all_logits=True), batch, reqs)
         else:
             logits = self.runner.forward(batch)
+        if self.spec is not None and self.spec.wants_hidden:  # a drafter reading them (EAGLE)
+            self.spec.forwarded(reqs, batch)
         self.kv.computed(decodes, chunks)
         if chunks:
             sample = rows_to_sample(reqs, len(decodes))

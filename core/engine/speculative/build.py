@@ -28,20 +28,30 @@ def resolve_speculative(regs, config):
 def make_spec_decoder(entry, settings: SpecSettings, runner, context_length: int,
                       load_model=None):
     """The scheduler's SpecDecoder over the drafter ``entry`` builds (``load_model``: what
-    the DraftContext loads draft models with, see ``draft_model_loader``)."""
+    the DraftContext loads draft models with, see ``draft_model_loader``). A drafter that
+    reads the target's hidden states (``Drafter.hidden_states``) has the target keep them:
+    its forwards then run eagerly."""
     from engine.speculative.verify import SpecDecoder
 
     ctx = DraftContext(settings, runner.model_config.vocab_size, runner.device.torch_device,
-                       load_model)
-    return SpecDecoder(entry.obj(ctx), settings, context_length)
+                       load_model, runner)
+    drafter = entry.obj(ctx)
+    if drafter.hidden_states:
+        capture = getattr(runner, "capture_hidden", None)
+        if capture is None:
+            raise EngineError(f"--speculative-algorithm {settings.algorithm} reads the target's "
+                              f"hidden states, which a target on several ranks does not hand "
+                              f"over yet: serve it on one process")
+        capture(drafter.hidden_states)
+    return SpecDecoder(drafter, settings, context_length, runner)
 
 
 def draft_model_loader(config, regs, device, resolved, sizing):
-    """``load_model(path)``: a draft model's runner on the target's device, dtype and attention
-    backend, with a KV pool of the target's size and request rows (its CPU graph where one
-    applies)."""
+    """``load_model(path, model_cls=None)``: a draft model's runner on the target's device,
+    dtype and attention backend, with a KV pool of the target's size and request rows (its CPU
+    graph where one applies; a ``model_cls`` of a plugin's, a draft head, runs eagerly)."""
 
-    def load_model(path: str):
+    def load_model(path: str, model_cls=None):
         from engine.cpu_graph.replay import build_cpu_graph
         from engine.models.checkpoint import open_checkpoint
         from engine.runner import build_runner
@@ -57,10 +67,11 @@ def draft_model_loader(config, regs, device, resolved, sizing):
             raise EngineError(f"--speculative-draft-model-path {path}: cannot open it as a "
                               f"checkpoint ({e}); give an HF directory or a .gguf file") from None
         runner = build_runner(config, ckpt, regs, device, resolved.attention, resolved.kv,
-                              None)
+                              None, model_cls=model_cls)
         runner.init_kv_pool(sizing.max_total_tokens, config.page_size,
                             sizing.max_running_requests, sizing.context_length)
-        build_cpu_graph(runner, config, device)
+        if model_cls is None:
+            build_cpu_graph(runner, config, device)
         return runner
 
     return load_model
@@ -70,6 +81,8 @@ def spec_line(spec, entry) -> str:
     if spec is None:
         return "speculative decoding: off"
     s = spec.settings
+    eager = ("; the target's forwards run eagerly (no CPU/CUDA graph) to hand the drafter its "
+             "hidden states" if spec.drafter.hidden_states else "")
     return (f"speculative decoding: {s.algorithm} ({entry.origin}; {spec.drafter.describe()}), "
             f"up to {s.max_drafts} drafts per request and step, verified in one forward; "
-            f"drafts run where their measured acceptance pays for their cost")
+            f"drafts run where their measured acceptance pays for their cost{eager}")

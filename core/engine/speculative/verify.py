@@ -43,8 +43,10 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, drafter, settings, max_context: int):
+    def __init__(self, drafter, settings, max_context: int, runner=None):
         self.drafter, self.settings = drafter, settings
+        self.runner = runner  # the target's: its hidden states, for a drafter reading them
+        self.wants_hidden = bool(drafter.hidden_states)
         self.policy = DraftPolicy(settings.max_drafts)
         self.max_context = max_context
         self.stats = SpecStats()
@@ -52,6 +54,28 @@ class SpecDecoder:
     def finished(self, rid: str) -> None:
         self.drafter.release(rid)
         self.policy.forget(rid)
+
+    def forwarded(self, reqs: list, batch) -> None:
+        """The target's forward over ``batch`` (of ``reqs``) ran and keeps all its tokens: a
+        drafter reading hidden states gets them (scheduler._run, before its commit)."""
+        self._hand_hidden(reqs, batch.prefix_lens_list, batch.extend_lens_list,
+                          batch.extend_lens_list)
+
+    def _hand_hidden(self, reqs: list, starts: list[int], lens: list[int],
+                     kept: list[int]) -> None:
+        """``Drafter.observe`` of the first ``kept[i]`` of request ``i``'s ``lens[i]`` rows of
+        the latest forward (positions from ``starts[i]``); finished requests left out (their
+        drafter state was released)."""
+        hidden = self.runner.last_hidden
+        out_reqs, out_starts, out_hidden, at = [], [], [], 0
+        for r, start, n, k in zip(reqs, starts, lens, kept):
+            if k and not r.finished:
+                out_reqs.append(r)
+                out_starts.append(start)
+                out_hidden.append(hidden[at: at + k])
+            at += n
+        if out_reqs:
+            self.drafter.observe(out_reqs, out_starts, out_hidden)
 
     def run(self, s, decodes: list, grown) -> list:
         """One decode step of the scheduler ``s`` over ``decodes`` (grown by one slot each),
@@ -119,4 +143,6 @@ class SpecDecoder:
                     accepted[i] += 1
                     nxt.append(i)
             active, j = nxt, j + 1
+        if self.wants_hidden:  # the positions kept: the last token's and the accepted drafts'
+            self._hand_hidden(decodes, old, [len(x) for x in ids], [a + 1 for a in accepted])
         return accepted, at
