@@ -4,6 +4,8 @@ never imports it). Each module holds one kind of helper:
 - ``checkpoints``: a tokenizer trained offline and tiny random-init HF checkpoints
   (``make_tiny_model``, ``TINY_CASES``)
 - ``gguf_writer``: a checkpoint written as a GGUF file the way llama.cpp's converter does
+- ``eagle_heads``: random EAGLE / EAGLE3 draft heads in SGLang's format and their plain
+  torch math (``write_eagle_head``, ``reference_head``)
 - ``generation``: a greedy loop over a ModelRunner and its agreement with transformers'
 - ``logits``: logits against a reference's, teacher-forced logits
 - ``attention``: attention backends side by side (``backend_matches_torch_native``)
