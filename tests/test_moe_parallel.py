@@ -14,13 +14,13 @@ import logging
 
 import pytest
 import torch
-
 from engine.engine import Engine
 from engine.registry import EngineError
 from engine_testing.checkpoints import DEEPSEEK_CASES, MOE_CASES
 
 SHARED = "Beautiful is better than ugly. Explicit is better than implicit. "
-PROMPTS = [SHARED + "Simple", SHARED + "Flat is better", "Now", "Errors should never pass silently."]
+PROMPTS = [SHARED + "Simple", SHARED + "Flat is better", "Now",
+           "Errors should never pass silently."]
 GREEDY = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
 SEEDED = {"max_new_tokens": 20, "temperature": 0.9, "top_p": 0.9, "seed": 7, "ignore_eos": True}
 # a small pool admitted with --schedule-conservativeness 0.1: requests retract
@@ -96,14 +96,13 @@ def test_a_rank_loads_only_its_experts_slices(models, registries, ep):
     """Rank 1 of 2, loaded in this process (loading needs no collective)."""
     import os
 
-    from safetensors.torch import load_file
-
     from engine.layers.moe import AbsentExpert
     from engine.models.checkpoint import open_checkpoint
     from engine.models.config import ModelConfig
     from engine.models.loader import load_model
     from engine.parallel.group import TPGroup
     from engine.runner import resolve_model_class
+    from safetensors.torch import load_file
 
     path = models["qwen3_moe_mlp_only"]
     ckpt = open_checkpoint(path)
@@ -133,9 +132,8 @@ def test_a_rank_loads_only_its_experts_slices(models, registries, ep):
     ({"tp_size": 4, "ep_size": 2, "enable_expert_parallel": True},
      "--ep-size 2 and --enable-expert-parallel"),
     ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention .* not supported yet"),
-    ({"tp_size": 2, "ep_size": 2, "model": "dense"}, "--ep-size 2 splits a mixture-of-experts "
-                                                     "model's experts, and LlamaForCausalLM has "
-                                                     "none"),
+    ({"tp_size": 2, "ep_size": 2, "model": "dense"},
+     "--ep-size 2 splits a mixture-of-experts model's experts, and LlamaForCausalLM has none"),
     ({"tp_size": 2, "pp_size": 2}, "--pp-size stages are not available for it yet"),
     ({"tp_size": 2, "pp_size": 2, "model": "v3_noaux_tc"},
      "multi-head latent attention, 16 experts\\): --pp-size stages are not available"),

@@ -27,8 +27,7 @@ from engine.interfaces import GraphUnsupported
 from engine.layers.moe import SparseMoE
 from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.parallel.experts import (ExpertPlacement, checkpoint_expert, expert_placement,
-                                     expert_problem)
+from engine.parallel import experts as placement
 from engine.parallel.group import TPGroup
 from engine.parallel.moe import rank_experts
 
@@ -64,13 +63,14 @@ def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
         return (f"{config.architecture} is a mixture-of-experts model ({config.num_experts} "
                 f"experts): --pp-size stages are not available for it yet; serve it with "
                 f"--pp-size 1 (--tp-size and --ep-size split it).")
-    problem = expert_problem(config.num_experts, config.moe_intermediate_size, tp_size, ep_size)
+    problem = placement.expert_problem(config.num_experts, config.moe_intermediate_size,
+                                       tp_size, ep_size)
     return f"{config.architecture}: {problem}" if problem else None
 
 
-def held_elsewhere(place: ExpertPlacement | None, name: str) -> bool:
+def held_elsewhere(place: placement.ExpertPlacement | None, name: str) -> bool:
     """Whether checkpoint tensor ``name`` is a routed expert's that another rank holds."""
-    expert = checkpoint_expert(name)
+    expert = placement.checkpoint_expert(name)
     return place is not None and expert is not None and not place.holds(expert)
 
 
@@ -103,7 +103,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                               f"{', '.join(LAYOUTS)}).")
         super().__init__(config, tp, pp)
         # where this rank's experts are (None: one process, every expert whole)
-        self.experts_placement = None if tp is None else expert_placement(
+        self.experts_placement = None if tp is None else placement.expert_placement(
             config.num_experts, config.moe_intermediate_size, tp)
 
     def other_rank_tensor(self, name: str) -> bool:

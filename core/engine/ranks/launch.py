@@ -13,10 +13,9 @@ import sys
 from dataclasses import asdict
 
 from engine.errors import EngineError
-from engine.models import default
+from engine.models import deepseek, default, moe
 from engine.models.checkpoint import open_checkpoint
 from engine.models.config import ModelConfig
-from engine.models import deepseek, moe
 from engine.parallel.shard import rank_head_counts, split_evenly
 from engine.parallel.stage import split_layers
 from engine.plugins import get_registries
