@@ -8,7 +8,6 @@ import random
 
 import httpx
 import pytest
-
 from engine import Engine
 from engine.config import ConfigError
 from engine.errors import EngineError
@@ -16,6 +15,8 @@ from engine.interfaces import Draft, Drafter
 from engine.registry import UnknownName
 from engine.server.process import ServerProcess
 from engine.speculative.policy import DraftPolicy
+from engine_testing.generation import run_requests as run
+from engine_testing.generation import verify_every_draft as draft_everything
 from engine_testing.invariants import assert_all_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -49,32 +50,12 @@ class OracleDrafter(Drafter):
         return out
 
 
-def draft_everything(engine):
-    """Verify every draft proposed (the policy's choice taken out of the test)."""
-    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
-    return engine
-
-
 def spec_engine(model, drafter=None, **kw):
     engine = draft_everything(Engine(model, **{"max_total_tokens": 4000,
                                                "speculative_algorithm": "NGRAM", **kw}))
     if drafter is not None:
         engine.scheduler.spec.drafter = drafter
     return engine
-
-
-def run(engine, prompts, params, every_step=None):
-    reqs = []
-    for i, p in enumerate(prompts):
-        reqs += engine.add_request(p, params[i] if isinstance(params, list) else params)
-    for _ in range(2000):
-        if all(r.finished for r in reqs):
-            break
-        engine.step()
-        if every_step:
-            every_step(engine)
-    return [(r.output_ids, r.finish_reason, [round(x, 3) for x in r.output_logprobs])
-            for r in reqs]
 
 
 def compare(model, prompts, params, oracle=True, **kw):
@@ -298,8 +279,8 @@ def test_flags_sglang_and_vllm_spellings_and_clashes(model):
     for kw, msg in [
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3,
           "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
-         "--speculative-num-draft-tokens 3 and --speculative-config num_speculative_tokens "
-         "\\+ 1 5 disagree"),
+         ("--speculative-num-draft-tokens 3 and --speculative-config num_speculative_tokens "
+          "\\+ 1 5 disagree")),
         ({"speculative_algorithm": "EAGLE", "speculative_config": {"method": "ngram"}},
          "--speculative-algorithm 'EAGLE' and --speculative-config method 'NGRAM' disagree"),
         ({"speculative_config": "{not json"}, "must be a JSON object"),

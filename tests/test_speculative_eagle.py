@@ -11,6 +11,8 @@ import torch
 from engine import Engine
 from engine.errors import EngineError
 from engine_testing.eagle_heads import reference_head, write_eagle_head
+from engine_testing.generation import run_requests as run
+from engine_testing.generation import verify_every_draft
 from engine_testing.invariants import assert_all_free
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -38,23 +40,7 @@ def heads(target, tmp_path_factory):
 def eagle_engine(target, algo, head, **kw):
     engine = Engine(target, **{"max_total_tokens": 3000, "speculative_algorithm": algo,
                                "speculative_draft_model_path": head, **kw})
-    # verify every draft proposed (the policy's choice taken out of the test)
-    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
-    return engine
-
-
-def run(engine, prompts, params, every_step=None):
-    reqs = []
-    for i, p in enumerate(prompts):
-        reqs += engine.add_request(p, params[i] if isinstance(params, list) else params)
-    for _ in range(3000):
-        if all(r.finished for r in reqs):
-            break
-        engine.step()
-        if every_step:
-            every_step(engine)
-    return [(r.output_ids, r.finish_reason, [round(x, 3) for x in r.output_logprobs])
-            for r in reqs]
+    return verify_every_draft(engine)
 
 
 PROMPTS = [ids(60 + i, 6 + 7 * i) for i in range(4)]

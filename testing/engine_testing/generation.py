@@ -49,7 +49,6 @@ def greedy_matches_hf(path: str, registries, attention_factory, cuda_graph: bool
     padding): a real CUDA graph on a CUDA ``device``, else the EagerGraph stand-in. Returns the
     runner."""
     import transformers
-
     from engine.device import DeviceInfo
     from engine.runner import ModelRunner
 
@@ -71,3 +70,27 @@ def greedy_matches_hf(path: str, registries, attention_factory, cuda_graph: bool
     if cuda_graph:
         assert runner.cuda_graphs.replays == max_new_tokens - 1 and runner.last_cuda_graph
     return runner
+
+
+def run_requests(engine, prompts, params, every_step=None, max_steps: int = 3000) -> list:
+    """Add ``prompts`` (``params``: one dict for all, or one each) to ``engine`` and step it
+    until they finish (``every_step(engine)`` after each step); returns per request its output
+    ids, finish reason and output logprobs rounded to 3 places: what two runs compare."""
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs += engine.add_request(p, params[i] if isinstance(params, list) else params)
+    for _ in range(max_steps):
+        if all(r.finished for r in reqs):
+            break
+        engine.step()
+        if every_step:
+            every_step(engine)
+    return [(r.output_ids, r.finish_reason, [round(x, 3) for x in r.output_logprobs])
+            for r in reqs]
+
+
+def verify_every_draft(engine):
+    """Speculative decoding with the policy's choice taken out: every draft proposed is
+    verified (tests of the verify path want drafts, whatever they would cost)."""
+    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    return engine

@@ -5,7 +5,8 @@ position by position exactly as without drafts, the KV of rejected drafts left t
 overwritten) and the model-based drafter that plugins build on (draft_model.py:
 ``ModelDrafter``). Drafters are plugins (``register_speculative_algorithms``)."""
 
-from engine.speculative.draft_model import ModelDrafter
+from engine.speculative.draft_model import ModelDrafter, PooledDrafter, check_chain_flags
 from engine.speculative.settings import SpecConfigError, SpecSettings, spec_settings
 
-__all__ = ["ModelDrafter", "SpecConfigError", "SpecSettings", "spec_settings"]
+__all__ = ["ModelDrafter", "PooledDrafter", "SpecConfigError", "SpecSettings",
+           "check_chain_flags", "spec_settings"]

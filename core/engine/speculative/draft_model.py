@@ -15,8 +15,59 @@ from engine.forward_batch import ForwardBatch
 from engine.interfaces import Draft, Drafter
 
 
+def check_chain_flags(settings, what: str, path_hint: str) -> None:
+    """The refusals every model-based chain drafter shares: a draft model path is needed
+    (``path_hint``: what to give), top-k > 1 (tree drafts) is not verified, steps must be one
+    less than the tokens verified, and NGRAM's flags do not apply (``what``: what it drafts
+    with, for the message)."""
+    s, algo = settings, settings.algorithm
+    if not s.draft_model_path:
+        raise EngineError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
+                          f"({path_hint})")
+    if s.eagle_topk not in (None, 1):
+        raise EngineError(f"--speculative-eagle-topk {s.eagle_topk}: tree drafts (top-k > 1) "
+                          f"are not verified yet, the core verifies chains; give 1 or leave it "
+                          f"out")
+    if s.num_steps is not None and s.num_steps != s.max_drafts:
+        raise EngineError(
+            f"--speculative-num-steps {s.num_steps} and --speculative-num-draft-tokens "
+            f"{s.num_draft_tokens} disagree: a chain of N draft steps verifies N + 1 tokens")
+    if (s.ngram_min_match_window, s.ngram_max_match_window, s.ngram_max_bfs_breadth) != \
+            (None, None, None):
+        raise EngineError(f"the --speculative-ngram-* flags are NGRAM's; {algo} drafts with "
+                          f"{what}: drop them")
+
+
+class PooledDrafter(Drafter):
+    """A drafter running a model of its own with its own KV pool (``runner.kv_pool``): one row
+    per request in ``state`` (objects with ``row`` and ``alloc``, the slots it holds), grown
+    with ``_room`` and freed by ``release``."""
+
+    def __init__(self, runner):
+        self.runner, self.pool = runner, runner.kv_pool
+        self.state: dict = {}
+
+    def release(self, rid: str) -> None:
+        st = self.state.pop(rid, None)
+        if st is not None:
+            if st.alloc:
+                self.pool.free_slots_of(self.pool.host_table[st.row, :st.alloc])
+            self.pool.free_req(st.row)
+
+    def _room(self, st, upto: int) -> bool:
+        """Slots for positions [0, upto) of the request's row."""
+        if upto <= st.alloc:
+            return True
+        if upto > self.pool.max_context_len:
+            return False
+        if self.pool.extend_slots(st.row, st.alloc, upto - st.alloc) is None:
+            return False
+        st.alloc = upto
+        return True
+
+
 class _State:
-    __slots__ = ("row", "fed", "alloc")
+    __slots__ = ("alloc", "fed", "row")
 
     def __init__(self, row: int):
         self.row, self.fed, self.alloc = row, [], 0  # fed: the tokens whose K/V it holds
@@ -30,41 +81,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(PooledDrafter):
     """Greedy chain drafts of ``runner`` (its ``kv_pool`` initialized), whose vocabulary must
     be the target's (``vocab_size``: the target's logits width)."""
 
     def __init__(self, runner, vocab_size: int, name: str = "draft model"):
-        self.runner, self.pool, self.name = runner, runner.kv_pool, name
+        super().__init__(runner)
+        self.name = name
         draft_vocab = runner.model_config.vocab_size
         if draft_vocab > vocab_size:
             raise EngineError(
                 f"the {name}'s vocabulary ({draft_vocab} tokens) is larger than the target's "
                 f"({vocab_size}): a draft model must share the target's tokenizer")
-        self.state: dict[str, _State] = {}
 
     def describe(self) -> str:
         mc = self.runner.model_config
         return (f"{self.name} {mc.architecture}, {mc.num_layers} layers, its own KV pool of "
                 f"{self.pool.size} tokens")
-
-    def release(self, rid: str) -> None:
-        st = self.state.pop(rid, None)
-        if st is not None:
-            if st.alloc:
-                self.pool.free_slots_of(self.pool.host_table[st.row, :st.alloc])
-            self.pool.free_req(st.row)
-
-    def _room(self, st: _State, upto: int) -> bool:
-        """Slots for positions [0, upto) of the request's draft row."""
-        if upto <= st.alloc:
-            return True
-        if upto > self.pool.max_context_len:
-            return False
-        if self.pool.extend_slots(st.row, st.alloc, upto - st.alloc) is None:
-            return False
-        st.alloc = upto
-        return True
 
     def propose(self, reqs: list, max_tokens: list[int]) -> list[Draft]:
         out = [Draft([], 0) for _ in reqs]

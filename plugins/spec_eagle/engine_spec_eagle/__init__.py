@@ -12,26 +12,12 @@ ARCHS = {"EAGLE": ("LlamaForCausalLMEagle", "LlamaForCausalLM"),
 
 
 def _check_flags(s) -> None:
-    from engine.errors import EngineError
+    from engine.speculative import check_chain_flags
 
     algo = s.algorithm
-    if not s.draft_model_path:
-        raise EngineError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
-                          f"(an {algo} head's checkpoint trained for the target, SGLang's format; "
-                          f"vLLM: --speculative-config '{{\"method\": \"{algo.lower()}\", "
-                          f"\"model\": PATH}}')")
-    if s.eagle_topk not in (None, 1):
-        raise EngineError(f"--speculative-eagle-topk {s.eagle_topk}: tree drafts (top-k > 1) "
-                          f"are not verified yet, the core verifies chains; give 1 or leave it "
-                          f"out")
-    if s.num_steps is not None and s.num_steps != s.max_drafts:
-        raise EngineError(
-            f"--speculative-num-steps {s.num_steps} and --speculative-num-draft-tokens "
-            f"{s.num_draft_tokens} disagree: a chain of N draft steps verifies N + 1 tokens")
-    if (s.ngram_min_match_window, s.ngram_max_match_window, s.ngram_max_bfs_breadth) != \
-            (None, None, None):
-        raise EngineError(f"the --speculative-ngram-* flags are NGRAM's; {algo} drafts with a "
-                          f"head: drop them")
+    check_chain_flags(s, "a head", f"an {algo} head's checkpoint trained for the target, "
+                                   f"SGLang's format; vLLM: --speculative-config "
+                                   f"'{{\"method\": \"{algo.lower()}\", \"model\": PATH}}'")
 
 
 def aux_layers(hf: dict, num_layers: int) -> tuple[int, ...]:

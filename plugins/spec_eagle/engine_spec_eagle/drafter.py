@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 from engine.forward_batch import ForwardBatch
-from engine.interfaces import Draft, Drafter
+from engine.interfaces import Draft
+from engine.speculative import PooledDrafter
 
 
 def _rows(t: torch.Tensor, keep: list[int], n: int) -> torch.Tensor:
@@ -61,25 +62,18 @@ class _State:
         self.pending.append(hidden.clone())
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(PooledDrafter):
     """Greedy chains of an EAGLE / EAGLE3 head (``runner``: its ModelRunner with its KV pool,
     the model an engine_spec_eagle.heads head sharing the target's embedding)."""
 
     def __init__(self, runner, hidden_states: tuple, name: str, describe: str):
-        self.runner, self.pool, self.head = runner, runner.kv_pool, runner.model
+        super().__init__(runner)
+        self.head = runner.model
         self.hidden_states = hidden_states
         self.name, self._describe = name, describe
-        self.state: dict[str, _State] = {}
 
     def describe(self) -> str:
         return f"{self._describe}, its own KV pool of {self.pool.size} tokens"
-
-    def release(self, rid: str) -> None:
-        st = self.state.pop(rid, None)
-        if st is not None:
-            if st.alloc:
-                self.pool.free_slots_of(self.pool.host_table[st.row, :st.alloc])
-            self.pool.free_req(st.row)
 
     def observe(self, reqs: list, starts: list[int], hidden: list) -> None:
         for r, start, h in zip(reqs, starts, hidden):
@@ -90,17 +84,6 @@ class EagleDrafter(Drafter):
                     continue
                 st = self.state[r.rid] = _State(row, start)
             st.take(start, h)
-
-    def _room(self, st: _State, upto: int) -> bool:
-        """Slots for row entries [0, upto)."""
-        if upto <= st.alloc:
-            return True
-        if upto > self.pool.max_context_len:
-            return False
-        if self.pool.extend_slots(st.row, st.alloc, upto - st.alloc) is None:
-            return False
-        st.alloc = upto
-        return True
 
     def _tokens(self, logits: torch.Tensor) -> torch.Tensor:
         ids = logits.argmax(-1)

@@ -8,14 +8,13 @@ from __future__ import annotations
 from engine.errors import EngineError
 from engine.interfaces import Draft, Drafter
 
-
 NONE = Draft([], 0)
 
 
 class _Index:
     """One request's tokens and n-gram index."""
 
-    __slots__ = ("tokens", "ends", "indexed")
+    __slots__ = ("ends", "indexed", "tokens")
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -29,7 +28,7 @@ class NgramDrafter(Drafter):
         self.index: dict[str, _Index] = {}
 
     @classmethod
-    def from_context(cls, ctx) -> "NgramDrafter":
+    def from_context(cls, ctx) -> NgramDrafter:
         s = ctx.settings
         for flag, value in (("--speculative-draft-model-path", s.draft_model_path),
                             ("--speculative-num-steps", s.num_steps),

@@ -4,7 +4,6 @@ as they come, nothing is drafted without a match, and flags it does not use are 
 from types import SimpleNamespace
 
 import pytest
-
 from engine.errors import EngineError
 from engine.interfaces import DraftContext
 from engine.speculative import SpecSettings
