@@ -150,7 +150,7 @@ fi
 GPU_TEST_FILES=$(grep -rlE --include='test_*.py' 'mark\.gpu' tests plugins 2>/dev/null | sort |
   tr '\n' ' ')
 # unmarked tests that run on the GPU when torch sees one (on a CPU: Triton's interpreter)
-GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests}
+GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests tests/test_moe_triton.py}
 PYTEST_TIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT="--timeout=120"
 PYTEST="$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors $PYTEST_TIMEOUT"

@@ -5,7 +5,8 @@ prompts, 16 new tokens each; float32 must match exactly, for every attention bac
 and takes float32, with and without CUDA graphs. bfloat16 (backends that take it, graphs on) is
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
 Then, float32 without graphs: a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA) on every backend that
-takes them, and the Llama with speculative decoding (NGRAM, every draft verified) on each
+takes them (on CUDA their MoE layers must run the fused Triton kernel: each case records the
+start log's MoE line as ``moe_path``), and the Llama with speculative decoding (NGRAM, every draft verified) on each
 backend, graphs on: their tokens must equal HF's too.
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
@@ -186,6 +187,12 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
                 same = sum(a == b for o, r in zip(ids, ref) for a, b in zip(o, r))
                 case["matching_tokens"] = f"{same}/{sum(len(r) for r in ref)}"
                 case["status"] = "pass" if ids == ref else "fail"
+                moe = engine.runner.moe_kernel  # the start log's MoE line ("" for the llama)
+                if moe:
+                    case["moe_path"] = moe
+                    if device.is_cuda and "fused Triton kernel" not in moe:
+                        case["status"] = "fail"
+                        case["error"] = f"the MoE layers did not take the fused path: {moe}"
                 if spec:
                     case["accept_length"] = round(engine.scheduler.spec.stats.accept_length, 2)
                 del engine

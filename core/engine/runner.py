@@ -12,6 +12,7 @@ from engine.forward_batch import ForwardBatch
 from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
 from engine.layers.linear import prepack_linears
+from engine.layers.moe_fused import fuse_moe_layers
 from engine.memory.kv_pool import KVPool
 from engine.models.block_weights import (block_note, block_reason, pack_block_linears,
                                          quant_block_reason)
@@ -72,6 +73,9 @@ class ModelRunner:
                                                 parallel=tp is not None,
                                                 quantized=quant_method is not None,
                                                 activations=activations)
+        # an MoE model's sparse layers: the fused Triton kernel on CUDA (experts stacked once),
+        # else the per-expert GEMMs; the start log's line says which and why ("" if none)
+        self.moe_kernel = fuse_moe_layers(self.model, device.torch_device)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 

@@ -144,6 +144,8 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
     lines = list(ckpt.notes)
     lines += [f"model {engine.model_name} ({ckpt.path}): {runner.model_config.architecture}, "
               f"{runner.dtype_reason}", runner.linear_kernel]
+    if getattr(runner, "moe_kernel", ""):  # which MoE path runs (layers/moe_fused.py)
+        lines.append(runner.moe_kernel)
     quant = resolved.quant
     if quant is not None:
         how = ("--quantization" if config.quantization else

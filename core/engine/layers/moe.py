@@ -31,7 +31,9 @@ slice of every expert, or whole experts of its own (``--ep-size``), the others s
 
 The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
 once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
-``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``).
+``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``). On CUDA the
+loop gives way to the fused Triton kernel (``fused``: layers/moe_fused.py stacks the held
+experts' weights at load, layers/moe_triton.py runs them) after the same routing.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class SparseMoE(nn.Module):
     """``gate`` (the router) and ``experts`` (a list of ``Expert``), as the checkpoints name
     them; ``forward`` x [T, hidden] -> [T, hidden]."""
 
+    # the fused GPU kernel over the stacked experts (layers/moe_fused.py), None: the loop
+    fused = None
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, names: tuple[str, str, str] = ("gate_proj", "up_proj",
                                                                      "down_proj"),
@@ -131,6 +136,8 @@ class SparseMoE(nn.Module):
         k = self.top_k
         weights, ids = self.gate.select(x, k, self.renormalize,
                                         torch.float32 if self.float32_weights else x.dtype)
+        if self.fused is not None:
+            return self.fused(x, weights, ids)
         flat = ids.reshape(-1)  # [T * k] (token, expert) pairs, token-major
         order = torch.sort(flat, stable=True).indices  # grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

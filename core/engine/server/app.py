@@ -104,6 +104,8 @@ async def server_info(request: Request):
                 shutdown_grace_period=s.shutdown_grace_period,
                 architecture=engine.runner.model_config.architecture,
                 version=_version(), sizing=sizing.as_dict(), sizing_report=sizing.lines())
+    # an MoE model's path: the fused Triton kernel or the per-expert GEMMs, and why
+    info["moe_kernel"] = getattr(engine.runner, "moe_kernel", "") or None
     if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
         info["parallel"] = engine.runner.info()
     info["prefill_oom_errors"] = engine.scheduler.counters.prefill_oom_errors
