@@ -240,9 +240,9 @@ class Engine:
         afterwards)."""
         if self.scheduler.overlap is not None:
             self.scheduler.overlap.close()
-        storage = getattr(self.scheduler.kv.cache, "storage", None)
-        if storage is not None:  # HiCache: the pages queued for storage are written first
-            storage.close()
+        close_cache = getattr(self.scheduler.kv.cache, "close", None)
+        if close_cache is not None:  # HiCache: copies in flight and queued pages finish first
+            close_cache()
         close = getattr(self.runner, "close", None)
         if self.parallel is not None and close is not None:
             close()

@@ -1,5 +1,6 @@
 """The host tier's KV slots: per-layer K and V tensors in host memory (pinned on a GPU), in
-pages of the device pool's page size, and the copies between them and the device pool.
+pages of the device pool's page size (the copies between them and the device pool run beside
+the step: ``copier.py``).
 
 Unlike the device pool there is no scratch page and no request table: the host tier only
 holds radix nodes (``HiRadixCache``), so free + held by the tree = size.
@@ -55,26 +56,7 @@ class HostKVPool:
             return pages
         return (pages[:, None] * p + torch.arange(p)).reshape(-1)
 
-    # -- copies ------------------------------------------------------------------------------
-    def backup(self, pool, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
-        """Copy the device pool's slots into ours; returns the bytes moved."""
-        dev = device_slots.to(pool.k_buffer[0].device, torch.int64)
-        host = host_slots.to(torch.int64)
-        for src, dst in ((pool.k_buffer, self.k), (pool.v_buffer, self.v)):
-            for s, d in zip(src, dst):
-                d.index_copy_(0, host, s.index_select(0, dev).to("cpu", non_blocking=False))
-        return len(host) * self.bytes_per_token()
-
-    def load(self, pool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> int:
-        """Copy our slots into the device pool's; returns the bytes moved."""
-        device = pool.k_buffer[0].device
-        dev = device_slots.to(device, torch.int64)
-        host = host_slots.to(torch.int64)
-        for src, dst in ((self.k, pool.k_buffer), (self.v, pool.v_buffer)):
-            for s, d in zip(src, dst):
-                d.index_copy_(0, dev, s.index_select(0, host).to(device, non_blocking=True))
-        return len(host) * self.bytes_per_token()
-
+    # -- reads -------------------------------------------------------------------------------
     def read(self, host_slots: torch.Tensor) -> tuple[list, list]:
         """Per layer, K and V of ``host_slots`` (copies)."""
         idx = host_slots.to(torch.int64)

@@ -12,22 +12,31 @@
   with a host copy stays, host-only; one without is dropped with its host-only descendants),
   the host tier frees the host copy of nodes without a host-held child (a host-only one
   leaves the tree).
+- Copies run beside the step (``copier.py``): a load marks its nodes ``loading`` (their device
+  slots are counted and locked, their data arrives later: a match stops before them, so a
+  request on that prefix waits), a backup marks its node ``writing`` (its host copy arrives
+  later: it is not evicted from the host tier, loaded back, or written to storage before).
+  ``poll()``, once per step, finishes the copies that completed, in the order they started.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 import torch
 
+from engine.hicache.copier import make_copier
 from engine.memory.radix_cache import Inserted, Node, RadixCache, _tick
 
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
 
 class HiRadixCache(RadixCache):
-    def __init__(self, pool, host, write_policy: str, stats, storage=None):
+    def __init__(self, pool, host, write_policy: str, stats, storage=None, copier=None):
         self.pool, self.host, self.stats, self.storage = pool, host, stats, storage
+        self.copier = copier if copier is not None else make_copier(pool)
+        self._copies: deque = deque()  # (Copy, on_done), in the order they started
         self.write_policy = write_policy
         self.threshold = THRESHOLD[write_policy]
         self._pinned: set[int] = set()  # ids of host-only nodes being loaded back
@@ -38,9 +47,10 @@ class HiRadixCache(RadixCache):
         self.host_size = 0  # host slots held by the tree
 
     # -- lookup ----------------------------------------------------------------------------
-    def match_tiers(self, key) -> tuple[torch.Tensor, Node, list[Node]]:
+    def match_tiers(self, key) -> tuple[torch.Tensor, Node, list[Node], bool]:
         """The longest cached prefix of ``key`` over both tiers: the device part's slots and
-        last node, then the host-only nodes that continue it (in order)."""
+        last node, then the host-only nodes that continue it (in order), and whether it stops
+        at a node whose load is still in flight (the match is longer once it lands)."""
         key = tuple(key[: self._align(len(key))])
         node = dev = self.root
         values, host_nodes = [], []
@@ -49,6 +59,8 @@ class HiRadixCache(RadixCache):
             child = node.children.get(self._child_key(key))
             if child is None:
                 break
+            if child.loading is not None:
+                return self._slots(values), dev, host_nodes, True
             n = self._common(child.key, key)
             if n < len(child.key):
                 if n:
@@ -65,11 +77,14 @@ class HiRadixCache(RadixCache):
             node, key = child, key[n:]
             if n < len(node.key):
                 break
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        return slots, dev, host_nodes
+        return self._slots(values), dev, host_nodes, False
+
+    @staticmethod
+    def _slots(values: list) -> torch.Tensor:
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
     def match_prefix(self, key) -> tuple[torch.Tensor, Node]:
-        slots, node, _ = self.match_tiers(key)
+        slots, node, _, _ = self.match_tiers(key)
         return slots, node
 
     def path(self, node: Node) -> list[Node]:
@@ -85,6 +100,7 @@ class HiRadixCache(RadixCache):
         upper.value = None if child.value is None else child.value[:n]
         upper.host_value = None if child.host_value is None else child.host_value[:n]
         upper.lock_ref, upper.hit_count = child.lock_ref, child.hit_count
+        upper.loading, upper.writing = child.loading, child.writing
         upper.children[self._child_key(child.key[n:])] = child
         child.parent.children[self._child_key(child.key)] = upper
         child.key, child.parent = child.key[n:], upper
@@ -118,6 +134,8 @@ class HiRadixCache(RadixCache):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(_tick)
+            if child.loading is not None:  # (rare) the caller's forward will read these slots
+                child.loading.order_after()
             if child.value is None:  # host-only: the caller's slots become its device copy
                 dup = done if dup is None else dup
                 child.value = value[done: done + n].clone()
@@ -152,11 +170,18 @@ class HiRadixCache(RadixCache):
             slots = self.host.alloc(n)
             if slots is None:
                 return False
-        self.stats.moved("device->host", self.host.backup(self.pool, node.value, slots))
-        node.host_value = slots
+        copy = self.copier.backup(self.host, self.pool, node.value, slots)
+        node.host_value, node.writing = slots, copy
         self.host_size += n
-        if self.storage is not None:
-            self.storage.write_node(self, node)
+
+        def written():
+            self.stats.moved("device->host", copy.nbytes)
+            for done in self._marked(node, "writing", copy):
+                done.writing = None
+                if self.storage is not None and done.parent is not None:
+                    self.storage.write_node(self, done)
+
+        self._copies.append((copy, written))
         return True
 
     # -- load back ---------------------------------------------------------------------------
@@ -166,16 +191,69 @@ class HiRadixCache(RadixCache):
     def unpin(self) -> None:
         self._pinned.clear()
 
-    def load_back(self, nodes: list[Node], slots: torch.Tensor) -> None:
-        """Host-only ``nodes`` (a path, in order) get device copies at ``slots``."""
+    def start_load(self, nodes: list[Node], slots: torch.Tensor):
+        """Host-only ``nodes`` (a path, in order) get device copies at ``slots``: counted and
+        marked ``loading`` now, their data copied beside the step (the Copy, returned)."""
+        assert all(n.writing is None for n in nodes), "loading a host copy still being written"
+        host = torch.cat([n.host_value for n in nodes])
+        copy = self.copier.load(self.host, self.pool, host, slots)
         done = 0
         for node in nodes:
             n = len(node.key)
-            dev = slots[done: done + n]
-            self.stats.moved("host->device", self.host.load(self.pool, node.host_value, dev))
-            node.value = dev.clone()
+            node.value, node.loading = slots[done: done + n].clone(), copy
             self.total_size += n
             done += n
+        last = nodes[-1]
+
+        def loaded():
+            copy.order_after()  # (landed: a forward on the current stream sees it anyway)
+            self.stats.moved("host->device", copy.nbytes)
+            for n in self._marked(last, "loading", copy):
+                n.loading = None
+
+        self._copies.append((copy, loaded))
+        return copy
+
+    def _marked(self, node: Node, attr: str, copy) -> list[Node]:
+        """``node`` and the ancestors split off it that carry ``copy`` in ``attr``."""
+        out = []
+        while node is not None and node is not self.root and getattr(node, attr) is copy:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    # -- copies in flight ----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Once per step: finish the copies that completed (never waits)."""
+        self.copier.tick()
+        while self._copies and self._copies[0][0].done():
+            self._finish_first()
+
+    def _finish_first(self) -> None:
+        copy, on_done = self._copies.popleft()
+        copy.finish()
+        on_done()
+
+    @property
+    def copies_in_flight(self) -> int:
+        return len(self._copies)
+
+    def wait_first(self) -> None:
+        """Nothing else to do: wait for the oldest copy's data (its test delay aside)."""
+        if self._copies:
+            self._copies[0][0].wait()
+
+    def drain(self) -> None:
+        """Wait for and finish every copy (flush, shutdown)."""
+        while self._copies:
+            self._copies[0][0].wait()
+            self._finish_first()
+
+    def close(self) -> None:
+        self.drain()
+        if self.storage is not None:
+            self.storage.close()
+        self.copier.close()
 
     def read_kv(self, nodes: list[Node], start: int, end: int, offset: int = 0):
         """Per layer K and V of positions [start, end) of the path ``nodes`` (whose first node
@@ -211,12 +289,14 @@ class HiRadixCache(RadixCache):
             c.value is not None for c in node.children.values())
 
     def _host_leaf(self, node: Node) -> bool:
-        return node.host_value is not None and id(node) not in self._pinned and not any(
+        return (node.host_value is not None and id(node) not in self._pinned
+                and node.loading is None and node.writing is None) and not any(
             c.host_value is not None for c in node.children.values())
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, write_back: bool = True) -> int:
         """Free at least ``num_tokens`` device slots, least recently used device leaves first;
-        a node keeps its host copy (write_back makes one now) and stays in the tree."""
+        a node keeps its host copy (write_back makes one now, unless told not to: a flush)
+        and stays in the tree."""
         heap = [(n.last_access, id(n), n) for n in self._nodes()
                 if n.lock_ref == 0 and self._device_leaf(n)]
         heapq.heapify(heap)
@@ -225,7 +305,7 @@ class HiRadixCache(RadixCache):
             _, _, node = heapq.heappop(heap)
             if node.parent is None or node.value is None or not self._device_leaf(node):
                 continue  # dropped or changed since it was pushed
-            if node.host_value is None and self.write_policy == "write_back":
+            if node.host_value is None and self.write_policy == "write_back" and write_back:
                 self.backup(node)
             self.free_slots(node.value)
             freed += len(node.key)
@@ -280,7 +360,8 @@ class HiRadixCache(RadixCache):
         """Drop both tiers; refused (False) while any node is locked by a running request."""
         if self.protected_size:
             return False
-        self.evict(self.total_size)
+        self.drain()
+        self.evict(self.total_size, write_back=False)
         self.evict_host(self.host_size)
         assert self.total_size == 0 and self.host_size == 0, (self.total_size, self.host_size)
         self.reset_tree()

@@ -17,10 +17,11 @@ _tick = itertools.count()
 
 
 class Node:
-    # host_value / hit_count: HiCache's (engine/hicache/tree.py): the node's host-tier slots,
-    # and how often it was hit (--hicache-write-policy write_through_selective)
+    # host_value / hit_count / loading / writing: HiCache's (engine/hicache/tree.py): the
+    # node's host-tier slots, how often it was hit (--hicache-write-policy
+    # write_through_selective), and the copies in flight into its device / host slots
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "host_value",
-                 "hit_count")
+                 "hit_count", "loading", "writing")
 
     def __init__(self, key=(), value=None, parent=None):
         self.key: tuple[int, ...] = tuple(key)
@@ -31,6 +32,7 @@ class Node:
         self.last_access = next(_tick)
         self.host_value: torch.Tensor | None = None
         self.hit_count = 0
+        self.loading = self.writing = None
 
 
 class Inserted(NamedTuple):

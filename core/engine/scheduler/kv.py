@@ -5,9 +5,11 @@ A request's KV state is five fields on ``Req`` (``row``, ``kv_len``, ``alloc_len
 
 - ``match(req)``: the longest cached prefix of its sequence (changes no request); with HiCache
   (engine/hicache) it may continue in the host tier and in storage (``Prefix.loads``).
-- ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache; a
-  part in the host tier or storage loaded back into the pool first) plus slots for ``n`` more
-  tokens; all or nothing.
+- ``start_load(req, prefix)``: HiCache: the prefix's host-tier part gets device slots (in the
+  tree, locked for ``req``) and its copy starts beside the step; ``req`` waits (its match
+  stops before the nodes in flight) until ``poll()``, once per step, sees the copy done.
+- ``admit(req, prefix, n)``: a request row holding the prefix (locked in the radix cache;
+  stored pages loaded into the pool first) plus slots for ``n`` more tokens; all or nothing.
 - ``grow(req, n)``: slots for a prompt chunk; ``grow_decodes(reqs)``: one slot each, in one go.
 - ``computed(decodes, chunks)``: the forward wrote their K/V; full prompt pages are cached;
   ``computed_to(req, n)``: a verify step's accepted drafts.
@@ -50,11 +52,19 @@ class Loads(NamedTuple):
         return self.host_len + self.storage_len
 
 
+class PendingLoad(NamedTuple):
+    """A waiting request's host -> device copy (HiCache): the Copy, the last node it loads
+    (locked for the request until it is admitted or gone) and the tokens it brings."""
+    copy: object
+    node: object
+    host_len: int
+
+
 class Prefix(NamedTuple):
     slots: torch.Tensor  # the cached slots of the request's leading tokens
     node: object  # the radix node ending there (None without a cache)
     loads: Loads | None = None  # HiCache: the match's continuation in the host tier / storage
-    wait: bool = False  # its storage prefetch holds the request back for now
+    wait: bool = False  # a storage prefetch or a host load in flight holds it back for now
 
     @property
     def loading(self) -> int:
@@ -74,6 +84,8 @@ class KVManager:
         self.page = pool.page_size
         self.stats = stats or TierStats()  # hits per tier (and HiCache's bytes moved)
         self.tiered = hasattr(cache, "match_tiers")
+        self.loads: dict[str, PendingLoad] = {}  # rid -> its host load (HiCache)
+        self._orphans: list[PendingLoad] = []  # loads of requests gone before they landed
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -130,7 +142,9 @@ class KVManager:
         key = req.seq[: req.seq_len - 1]
         if not self.tiered:
             return Prefix(*self.cache.match_prefix(key))
-        slots, node, host_nodes = self.cache.match_tiers(key)
+        slots, node, host_nodes, in_flight = self.cache.match_tiers(key)
+        if in_flight:  # a load of this prefix's next nodes has not landed yet
+            return Prefix(slots, node, None, True)
         host_len = sum(len(n.key) for n in host_nodes)
         storage = self.cache.storage
         found = (storage.match(req.rid, key, len(slots) + host_len) if storage is not None
@@ -148,6 +162,7 @@ class KVManager:
         if row is None:
             return False
         matched = prefix
+        assert prefix.loads is None or not prefix.loads.host_len, "start_load comes first"
         if prefix.loading:
             prefix = self._load(req, prefix)
             if prefix is None:
@@ -165,44 +180,106 @@ class KVManager:
         req.last_node = prefix.node
         if prefix.node is not None:
             self.cache.inc_lock(prefix.node)
+        pending = self.loads.pop(req.rid, None)
+        if pending is not None:  # its load landed; the request's own lock holds the path now
+            self.cache.dec_lock(pending.node)
         if not self.grow(req, n):
             self.retract(req)
             return False
         if req.num_retractions == 0:  # (a retracted request was counted the first time)
-            self._count_hits(matched)
+            self._count_hits(matched, pending.host_len if pending is not None else 0)
         return True
 
-    def _count_hits(self, prefix: Prefix) -> None:
+    def _count_hits(self, prefix: Prefix, loaded: int) -> None:
         loads = prefix.loads
-        self.stats.hit("device", len(prefix.slots))
-        self.stats.hit("host", loads.host_len if loads else 0)
+        self.stats.hit("device", len(prefix.slots) - loaded)
+        self.stats.hit("host", loaded)
         self.stats.hit("storage", loads.storage_len if loads else 0)
 
     def _load(self, req: Req, prefix: Prefix) -> Prefix | None:
-        """HiCache: the prefix's host-only nodes and storage pages loaded into the pool (slots
-        made free by evicting, the device part locked meanwhile); the prefix as the pool now
-        holds it, or None (nothing loaded) when the slots cannot be freed."""
+        """HiCache: the prefix's storage pages (read ahead into host memory) copied into the
+        pool (slots made free by evicting, the device part locked meanwhile); the prefix as the
+        pool now holds it, or None (nothing loaded) when the slots cannot be freed."""
         cache, loads = self.cache, prefix.loads
         cache.inc_lock(prefix.node)
-        cache.pin(loads.host_nodes)
         try:
-            if not self.ensure_free(loads.length):
+            if not self.ensure_free(loads.storage_len):
                 return None
-            slots = self.pool.alloc_pages(loads.length // self.page)
-            if self.page > 1:
-                slots = (slots[:, None] * self.page + torch.arange(self.page)).reshape(-1)
-            host, stored = slots[: loads.host_len], slots[loads.host_len:]
-            cache.load_back(loads.host_nodes, host)
-            node = loads.host_nodes[-1] if loads.host_nodes else prefix.node
-            held = torch.cat([prefix.slots, host])
-            if loads.storage_len:
-                self._load_pages(loads.storage_pages, len(held), stored)
-                node, held = cache.insert(req.seq[: len(held) + len(stored)],
-                                          torch.cat([held, stored]))[1:]
+            stored = self._alloc(loads.storage_len)
+            held = prefix.slots
+            self._load_pages(loads.storage_pages, len(held), stored)
+            node, held = cache.insert(req.seq[: len(held) + len(stored)],
+                                      torch.cat([held, stored]))[1:]
             return Prefix(held, node)
+        finally:
+            cache.dec_lock(prefix.node)
+
+    def _alloc(self, tokens: int) -> torch.Tensor:
+        slots = self.pool.alloc_pages(tokens // self.page)
+        assert slots is not None, "no room made"
+        if self.page > 1:
+            slots = (slots[:, None] * self.page + torch.arange(self.page)).reshape(-1)
+        return slots
+
+    # -- loads beside the step (HiCache) ---------------------------------------------------------
+    def start_load(self, req: Req, prefix: Prefix) -> bool:
+        """Start copying ``prefix``'s host-tier nodes into free device slots (evicting for
+        them); ``req`` then waits for the copy. False, starting nothing, when the slots cannot
+        be freed. A host copy still being written is waited for (True, nothing started)."""
+        cache, nodes = self.cache, prefix.loads.host_nodes
+        if any(n.writing is not None for n in nodes):
+            return True
+        cache.inc_lock(prefix.node)  # the device part, and the host nodes, kept meanwhile
+        cache.pin(nodes)
+        try:
+            if not self.ensure_free(prefix.loads.host_len):
+                return False
+            cache.start_load(nodes, self._alloc(prefix.loads.host_len))
+            cache.inc_lock(nodes[-1])  # the request's until it is admitted or gone
+            self.loads[req.rid] = PendingLoad(nodes[-1].loading, nodes[-1],
+                                              prefix.loads.host_len)
+            return True
         finally:
             cache.unpin()
             cache.dec_lock(prefix.node)
+
+    def poll(self) -> None:
+        """Once per step: finish the copies that completed; unlock loads nobody waits for."""
+        if not self.tiered:
+            return
+        self.cache.poll()
+        if self._orphans:
+            for p in [p for p in self._orphans if p.node.loading is None]:
+                self.cache.dec_lock(p.node)
+                self._orphans.remove(p)
+
+    def forget(self, req: Req) -> None:
+        """A waiting ``req`` is gone (aborted): its load's slots go back to the cache, unlocked
+        (evictable) once the copy has landed."""
+        pending = self.loads.pop(req.rid, None)
+        if pending is None:
+            return
+        if pending.node.loading is None:
+            self.cache.dec_lock(pending.node)
+        else:
+            self._orphans.append(pending)
+
+    def drop_loads(self) -> None:
+        """The running batch is short of slots (rare): the waiting requests' loads give their
+        locks up, landed first (a wait), their slots evictable; they load again if evicted."""
+        pending = [*self.loads.values(), *self._orphans]
+        if not pending:
+            return
+        self.cache.drain()
+        for p in pending:
+            self.cache.dec_lock(p.node)
+        self.loads.clear()
+        self._orphans.clear()
+
+    def idle(self) -> None:
+        """Nothing ran this step: wait for the oldest copy in flight, if any (no spinning)."""
+        if self.tiered:
+            self.cache.wait_first()
 
     def _load_pages(self, pages: list, start: int, slots: torch.Tensor) -> None:
         """Storage pages' K/V into the pool's ``slots``, from position ``start`` on (the first

@@ -56,6 +56,7 @@ class Scheduler(Commit):
             return
         if req in self.waiting:
             self.waiting.remove(req)
+            self.kv.forget(req)  # HiCache: a host load it was waiting for
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req)
@@ -83,6 +84,7 @@ class Scheduler(Commit):
 
     def sync_step(self) -> list[Req]:
         """Plan, forward, sample and finish one batch, all before returning."""
+        self.kv.poll()  # HiCache: copies that landed since the last step
         failed = self.finish_failed_grammars()
         # Req.prefilling, inline (every running request, every step)
         decodes = [r for r in self.running
@@ -101,8 +103,9 @@ class Scheduler(Commit):
         except Exception as e:  # counted for observers (the advisor); the caller handles it
             self.counters.prefill_oom_errors += bool(prefill.chunks and is_out_of_memory(e))
             raise
-        if not ran:  # only requests whose grammar is compiling: wait for one, don't spin
+        if not ran:  # only requests whose grammar compiles or KV loads: wait, don't spin
             wait_for_compiles(self.waiting)
+            self.kv.idle()
         self.report(decodes, prefill, retracted, touched, ran)
         return failed + touched
 
@@ -142,6 +145,9 @@ class Scheduler(Commit):
     def _make_room(self, decodes: list[Req]) -> int:
         """Free slots for this step's decodes, retracting requests when the pool is short."""
         need = self.kv.decode_slots_needed(decodes)
+        if self.kv.ensure_free(need):
+            return 0
+        self.kv.drop_loads()  # HiCache: waiting requests' loads give their slots up first
         if self.kv.ensure_free(need):
             return 0
         victims = []
@@ -198,7 +204,7 @@ class Scheduler(Commit):
         if waits_for_leader(r):
             return Verdict.WAITS
         prefix = self.kv.match(r)
-        if prefix.wait:  # HiCache: its prefix is still being read from storage (only it waits)
+        if prefix.wait:  # HiCache: its prefix is still being read or loaded (only it waits)
             return Verdict.WAITS
         cached = prefix.cached  # every tier's (HiCache loads the host/storage part back)
         if self.kv.cache is not None and prefix_in_flight(r, cached, prefill.chunks):
@@ -211,6 +217,9 @@ class Scheduler(Commit):
         room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
         if extend + prefix.loading + reservation > room and (self.running or prefill.chunks):
             return Verdict.NO_ROOM  # (a lone request is always tried)
+        if prefix.loads is not None and prefix.loads.host_len:  # HiCache: copied back beside
+            # the running batch first; it waits for the copy (False: its slots can't be freed)
+            return Verdict.WAITS if self.kv.start_load(r, prefix) else Verdict.NO_ROOM
         if not self.kv.admit(r, prefix, n):
             return Verdict.NO_ROOM  # no request row, or its slots could not be freed
         r.status = Status.RUNNING

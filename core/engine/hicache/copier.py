@@ -1,0 +1,183 @@
+"""Copies between the device pool and the host tier that run beside the step, never in it.
+
+A copy is started on the scheduler's thread and returns a ``Copy``; the tree (``tree.py``)
+polls its copies once per step (``done()`` never blocks) and finishes those that completed.
+
+- ``ThreadCopier`` (the device pool in host memory: CPUs): one background thread runs the
+  copies in the order they were started (a load of host slots runs after their write).
+- ``CudaCopier``: one dedicated copy stream (``torch.cuda.Stream``) that waits for the work
+  already queued on the scheduler's stream, non-blocking copies between pinned host staging
+  buffers and the device, and a ``torch.cuda.Event`` recorded after each copy: ``done()`` is
+  ``event.query()``, and ``order_after()`` makes the current stream wait on the event
+  (``Stream.wait_event``) before a forward reads the copied slots.
+
+Device -> host copies (write-through, write-back on eviction) copy a snapshot: the slots are
+gathered on the scheduler's stream when the copy starts (on a GPU a device-side gather, queued,
+not waited for), so their device slots may be freed and reused at once. Host -> device loads
+write into slots the request alone holds until its copy is done.
+
+``delay_steps`` (tests): a copy counts as done only ``delay_steps`` polls after it started.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Copy:
+    """One copy in flight: ``done()`` (non-blocking), ``wait()`` (blocking: idle or shutdown
+    only), ``order_after()`` (the current stream waits for it), ``finish()`` once done."""
+
+    def __init__(self, copier, nbytes: int, future: Future | None = None, event=None,
+                 finish=None, keep=()):
+        self.copier, self.nbytes = copier, nbytes
+        self.future, self.event, self._finish, self._keep = future, event, finish, keep
+        self.ready_at = copier.polls + copier.delay_steps
+
+    def copied(self) -> bool:
+        """The bytes have arrived (the test delay aside)."""
+        if self.future is not None:
+            return self.future.done()
+        return self.event.query()
+
+    def done(self) -> bool:
+        return self.copier.polls >= self.ready_at and self.copied()
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+        else:
+            self.event.synchronize()
+
+    def order_after(self) -> None:
+        """Whatever the current stream runs next sees the copied data (CPU: waits for it)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.copier.device).wait_event(self.event)
+        else:
+            self.future.result()
+
+    def finish(self) -> None:
+        """Once done: raise a copy's error, run its host-side completion, drop its buffers."""
+        if self.future is not None:
+            self.future.result()
+        if self._finish is not None:
+            self._finish()
+        self._finish, self._keep = None, ()
+
+
+class ThreadCopier:
+    kind = "background thread"
+
+    def __init__(self):
+        self.polls = 0
+        self.delay_steps = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-copy")
+
+    def tick(self) -> None:
+        self.polls += 1
+
+    def load(self, host, pool, host_slots, device_slots) -> Copy:
+        """Host slots -> device slots."""
+        h, d = host_slots.to(torch.int64), device_slots.to(torch.int64)
+
+        def run():
+            for src, dst in ((host.k, pool.k_buffer), (host.v, pool.v_buffer)):
+                for s, t in zip(src, dst):
+                    t.index_copy_(0, d, s.index_select(0, h))
+
+        return Copy(self, len(h) * host.bytes_per_token(), self._pool.submit(run))
+
+    def backup(self, host, pool, device_slots, host_slots) -> Copy:
+        """Device slots -> host slots, from a snapshot taken now."""
+        d, h = device_slots.to(torch.int64), host_slots.to(torch.int64)
+        snap = [[b.index_select(0, d) for b in bufs] for bufs in (pool.k_buffer, pool.v_buffer)]
+
+        def run():
+            for src, dst in zip(snap, (host.k, host.v)):
+                for s, t in zip(src, dst):
+                    t.index_copy_(0, h, s)
+
+        return Copy(self, len(h) * host.bytes_per_token(), self._pool.submit(run))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaCopier:
+    kind = "CUDA copy stream"
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.polls = 0
+        self.delay_steps = 0
+
+    def tick(self) -> None:
+        self.polls += 1
+
+    def _start(self, work) -> torch.cuda.Event:
+        """``work()`` on the copy stream after what the current stream has queued; the event
+        recorded after it."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            work()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def load(self, host, pool, host_slots, device_slots) -> Copy:
+        """Host slots gathered into pinned staging (host memcpy), then copied to the device
+        slots on the copy stream (non-blocking)."""
+        h = host_slots.to(torch.int64)
+        staged = [[torch.index_select(s, 0, h, out=torch.empty((len(h), *s.shape[1:]),
+                                                               dtype=s.dtype, pin_memory=True))
+                   for s in src] for src in (host.k, host.v)]
+        kept = []
+
+        def work():
+            d = device_slots.to(self.device, torch.int64, non_blocking=True)
+            kept.append(d)
+            for src, dst in zip(staged, (pool.k_buffer, pool.v_buffer)):
+                for s, t in zip(src, dst):
+                    g = s.to(self.device, non_blocking=True)
+                    t.index_copy_(0, d, g)
+                    kept.append(g)
+
+        event = self._start(work)
+        return Copy(self, len(h) * host.bytes_per_token(), event=event, keep=(staged, kept))
+
+    def backup(self, host, pool, device_slots, host_slots) -> Copy:
+        """The slots gathered on the current stream (the snapshot), copied into pinned staging
+        on the copy stream; scattered into the host pool when done."""
+        d = device_slots.to(self.device, torch.int64)
+        h = host_slots.to(torch.int64)
+        snap = [[b.index_select(0, d) for b in bufs] for bufs in (pool.k_buffer, pool.v_buffer)]
+        staged = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in src]
+                  for src in snap]
+
+        def work():
+            for src, dst in zip(snap, staged):
+                for s, t in zip(src, dst):
+                    t.copy_(s, non_blocking=True)
+
+        def scatter():
+            for src, dst in zip(staged, (host.k, host.v)):
+                for s, t in zip(src, dst):
+                    t.index_copy_(0, h, s)
+
+        event = self._start(work)
+        return Copy(self, len(h) * host.bytes_per_token(), event=event, finish=scatter,
+                    keep=(snap, staged))
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copier(pool):
+    """The copy stream when the device pool is on a CUDA device, else the background thread."""
+    device = pool.k_buffer[0].device
+    if device.type == "cuda":
+        return CudaCopier(device)
+    return ThreadCopier()
