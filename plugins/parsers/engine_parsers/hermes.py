@@ -5,30 +5,17 @@ not offer, is content (``Invalid``); so is one cut short by the end of the outpu
 
 from __future__ import annotations
 
-from engine.parsers import CallError, CallReader, Content, Invalid, ToolParser
+from engine.parsers import CallReader, Content
 
-from engine_parsers.text import starts, until_marker
+from engine_parsers.buffered import BufferedToolParser
+from engine_parsers.text import until_marker
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesParser(ToolParser):
+class HermesParser(BufferedToolParser):
     def __init__(self, tools: list[dict]):
-        super().__init__(tools)
-        self.buf, self.state, self.count = "", "text", 0  # state: text | call | close
-        self.reader: CallReader | None = None
-        self.raw = ""  # the open call's own text, from its marker
-
-    def feed(self, text: str) -> list:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list:
-        out = self._run(final=True)
-        if self.state == "call":  # cut short
-            out.append(Invalid(self.reader.call, self.raw))
-        self.state = "text"
-        return out
+        super().__init__(tools, "text")  # state: text | call | close
 
     def _run(self, final: bool) -> list:
         out: list = []
@@ -43,22 +30,8 @@ class HermesParser(ToolParser):
                     "call"
                 self.count += 1
             elif self.state == "call":
-                try:
-                    n = self.reader.feed(self.buf, out)
-                except CallError as e:  # the call's text so far is content; the rest is text
-                    out.append(Invalid(self.reader.call, self.raw + self.buf[:e.consumed]))
-                    self.buf, self.state = self.buf[e.consumed:], "text"
-                    continue
-                self.raw += self.buf[:n]
-                self.buf = self.buf[n:]
-                if not self.reader.done:
+                if not self._call_step(out, "close"):
                     break
-                self.state = "close"
-            else:  # after a call's JSON: its closing tag (a missing one is forgiven)
-                closed = starts(self.buf, END, final)
-                if closed is None:
-                    break
-                if closed:
-                    self.buf = self.buf.lstrip()[len(END):]
-                self.state = "text"
+            elif not self._closing(END, final):  # after a call's JSON: its closing tag
+                break
         return out

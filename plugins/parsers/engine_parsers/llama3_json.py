@@ -6,34 +6,25 @@ the calls is content too."""
 
 from __future__ import annotations
 
-from engine.parsers import CallError, CallReader, Content, Invalid, ToolParser
+from engine.parsers import CallReader, Content
 
+from engine_parsers.buffered import BufferedToolParser
 from engine_parsers.text import starts
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonParser(ToolParser):
+class Llama3JsonParser(BufferedToolParser):
     def __init__(self, tools: list[dict]):
-        super().__init__(tools)
         # state: start (the output's first characters) | call | between (after a call) | next
-        # (after ';') | text (the rest is content)
-        self.buf, self.state, self.count = "", "start", 0
-        self.reader: CallReader | None = None
-        self.raw = ""  # the open call's own text (and any markup before the first one)
+        # (after ';') | text (the rest is content); raw: the open call's own text (and any
+        # markup before the first one)
+        super().__init__(tools, "start")
 
-    def feed(self, text: str) -> list:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list:
-        out = self._run(final=True)
-        if self.state == "call":  # cut short
-            out.append(Invalid(self.reader.call, self.raw))
-        elif self.raw and self.state in ("start", "next"):
+    def _ended(self, out: list) -> None:
+        if self.raw and self.state in ("start", "next"):  # markup, then no call
             out.append(Content(self.raw))
-        self.state, self.raw = "text", ""
-        return out
+        super()._ended(out)
 
     def _run(self, final: bool) -> list:
         out: list = []
@@ -63,18 +54,9 @@ class Llama3JsonParser(ToolParser):
                 self.reader = CallReader(self.count, self.names, name_first=True)
                 self.count += 1
                 self.state = "call"
-            elif state == "call":
-                try:
-                    n = self.reader.feed(self.buf, out)
-                except CallError as e:  # not a call after all: content, and so is the rest
-                    out.append(Invalid(self.reader.call, self.raw + self.buf[:e.consumed]))
-                    self.buf, self.raw, self.state = self.buf[e.consumed:], "", "text"
-                    continue
-                self.raw += self.buf[:n]
-                self.buf = self.buf[n:]
-                if not self.reader.done:
+            elif state == "call":  # (not a call after all: content, and so is the rest)
+                if not self._call_step(out, "between"):
                     break
-                self.raw, self.state = "", "between"
             else:  # between calls: ';' and the next one, or the rest is content
                 more = starts(self.buf, ";", final)
                 if more is None:

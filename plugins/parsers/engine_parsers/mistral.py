@@ -18,9 +18,9 @@ from engine.parsers import (
     Content,
     Invalid,
     Name,
-    ToolParser,
 )
 
+from engine_parsers.buffered import BufferedToolParser
 from engine_parsers.text import until_marker
 
 START, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -28,28 +28,20 @@ _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 _ID_CHARS = string.ascii_letters + string.digits
 
 
-class MistralParser(ToolParser):
+class MistralParser(BufferedToolParser):
     keep_special_tokens = True
 
     def __init__(self, tools: list[dict]):
-        super().__init__(tools)
-        # state: text | kind (just after [TOOL_CALLS]) | list | object | name | args
-        self.buf, self.state, self.count = "", "text", 0
-        self.reader = None  # CallListReader, CallReader or ArgumentsReader
-        self.raw = ""  # the markup and the open call's text (content if the call fails)
+        # state: text | kind (just after [TOOL_CALLS]) | list | object | name | args; reader: a
+        # CallListReader, CallReader or ArgumentsReader; raw: the markup and the open call's text
+        super().__init__(tools, "text")
 
     def call_id(self) -> str:
         return "".join(random.choices(_ID_CHARS, k=9))
 
-    def feed(self, text: str) -> list:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list:
-        out = self._run(final=True)
+    def _ended(self, out: list) -> None:
         if self.state != "text":  # cut short
             self._fail(out)
-        return out
 
     def _run(self, final: bool) -> list:
         out: list = []
@@ -81,23 +73,20 @@ class MistralParser(ToolParser):
             elif state == "name":
                 if not self._name(out, final):
                     break
-            else:  # list, object, args: a reader
+            elif state == "list":  # (a list keeps its own text: CallListReader.pending)
                 try:
                     n = self.reader.feed(self.buf, out)
                 except CallError as e:
-                    if state != "list":  # (a list keeps its own text: CallListReader.pending)
-                        self.raw += self.buf[:e.consumed]
                     self.buf = self.buf[e.consumed:]
                     self._fail(out)
                     continue
-                if state != "list":
-                    self.raw += self.buf[:n]
                 self.buf = self.buf[n:]
                 if not self.reader.done:
                     break
-                if state == "list":
-                    self.count += self.reader.count
+                self.count += self.reader.count
                 self.raw, self.state = "", "text"
+            elif not self._call_step(out, "text"):  # object, args: a call's reader
+                break
         return out
 
     def _name(self, out: list, final: bool) -> bool:

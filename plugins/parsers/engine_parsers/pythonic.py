@@ -12,8 +12,9 @@ import ast
 import json
 import re
 
-from engine.parsers import Arguments, Content, Invalid, Name, ToolParser
+from engine.parsers import Arguments, Content, Invalid, Name
 
+from engine_parsers.buffered import BufferedToolParser
 from engine_parsers.text import starts
 
 START, END = "<|python_start|>", "<|python_end|>"
@@ -21,28 +22,21 @@ _CALL = re.compile(r"\s*([A-Za-z_][\w.]*)\s*(\()?")
 _OPEN, _CLOSE = "([{", ")]}"
 
 
-class PythonicParser(ToolParser):
+class PythonicParser(BufferedToolParser):
     def __init__(self, tools: list[dict]):
-        super().__init__(tools)
         # state: start | list (before a call) | call (inside one) | after (after a call: ',' or
-        # ']') | end (after the list) | text (the rest is content)
-        self.buf, self.state, self.count = "", "start", 0
-        self.raw = ""  # text not yet part of a well-formed call (content if the list fails)
+        # ']') | end (after the list) | text (the rest is content); raw: text not yet part of a
+        # well-formed call (content if the list fails)
+        super().__init__(tools, "start")
         self.call_text = ""  # the open call's text, from its name
         self._depth, self._quote, self._escape = 0, "", False
 
-    def feed(self, text: str) -> list:
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list:
-        out = self._run(final=True)
+    def _ended(self, out: list) -> None:
         if self.state == "call":  # cut short
             out.append(Invalid(self.count - 1, self.raw + self.call_text))
         elif self.state in ("start", "list", "after") and self.raw + self.buf:
             out.append(Content(self.raw + self.buf))
         self.state, self.raw, self.buf = "text", "", ""
-        return out
 
     def _run(self, final: bool) -> list:
         out: list = []
@@ -92,13 +86,8 @@ class PythonicParser(ToolParser):
                     self.raw, self.state = "", "end"
                 else:
                     self._give_up(out)
-            else:  # end: after the list, an optional <|python_end|>, then content
-                closed = starts(self.buf, END, final)
-                if closed is None:
-                    break
-                if closed:
-                    self.buf = self.buf.lstrip()[len(END):]
-                self.state = "text"
+            elif not self._closing(END, final):  # end: an optional <|python_end|>, then content
+                break
         return out
 
     def _start(self, final: bool) -> bool:
