@@ -5,31 +5,33 @@ after), the quantization methods on the experts, and what is refused, with its r
 
 from __future__ import annotations
 
-import functools
-import logging
-import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from engine import Engine
 from engine.config import EngineConfig
 from engine.cuda_graph import capture_decode_graphs
 from engine.device import DeviceInfo
 from engine.interfaces import GraphUnsupported
-from engine.layers.linear import Linear
 from engine.layers import moe as moe_layers
+from engine.layers.linear import Linear
 from engine.layers.moe import Expert, Router
 from engine.registry import EngineError
 from engine_testing.checkpoints import MOE_CASES
+from engine_testing.engine_paths import (
+    PROMPTS,
+    check_chunked_prefill_and_radix_hits,
+    check_retraction,
+    hf_greedy,
+    ids,
+    run_greedy,
+)
 from engine_testing.graphs import EagerGraph
-from engine_testing.invariants import assert_all_free
 from engine_testing.logits import teacher_forced_logits
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 NEW_TOKENS = 24
 
 
@@ -39,61 +41,14 @@ def moe_dir(request, tiny_model_factory):
     return tiny_model_factory(arch, **overrides)
 
 
-def ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
-
-
-# two pairs of prompts sharing a 40-token prefix (radix hits), chunked at 16 tokens
-SYSTEM = ids(99, 40)
-PROMPTS = [SYSTEM + ids(1, 9), SYSTEM + ids(2, 3), ids(3, 30), ids(4, 5), SYSTEM + ids(5, 17)]
-
-
-@functools.lru_cache(maxsize=None)
-def hf_greedy(model_dir: str) -> tuple:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None
-    outs = []
-    for p in PROMPTS:  # one at a time: no padding on the HF side
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=2)
-        outs.append(out[0, len(p):].tolist())
-    return tuple(outs)
-
-
-def run(engine, prompts) -> list[list[int]]:
-    outs = engine.generate(input_ids=prompts,
-                           sampling_params={**GREEDY, "max_new_tokens": NEW_TOKENS})
-    return [o["output_ids"] for o in outs], outs
-
-
 def test_chunked_prefill_and_radix_hits_equal_hf(moe_dir):
     engine = Engine(moe_dir, max_total_tokens=2000, chunked_prefill_size=16)
     assert engine.cpu_graph == "cpu graph: off (MoE layers have no CPU graph nodes yet)"
-    expected = list(hf_greedy(moe_dir))
-    first, _ = run(engine, PROMPTS[:1])  # its prefix is then in the radix cache
-    rest, outs = run(engine, PROMPTS[1:])
-    assert first + rest == expected
-    assert outs[0]["meta_info"]["cached_tokens"] >= len(SYSTEM)
-    assert outs[3]["meta_info"]["cached_tokens"] >= len(SYSTEM)
-    again, outs = run(engine, PROMPTS)  # everything cached now
-    assert again == expected and all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
-    assert_all_free(engine)
+    check_chunked_prefill_and_radix_hits(engine, moe_dir, NEW_TOKENS)
 
 
 def test_retraction_gives_hf_tokens(moe_dir, caplog):
-    small = Engine(moe_dir, max_total_tokens=150, schedule_conservativeness=0.1,
-                   chunked_prefill_size=32)
-    with caplog.at_level(logging.WARNING, logger="engine"):
-        outs, _ = run(small, PROMPTS)
-    assert any("decode out of memory" in r.getMessage() for r in caplog.records)
-    assert small.scheduler.counters.retracted_reqs >= 1
-    assert outs == list(hf_greedy(moe_dir))
-    assert_all_free(small)
+    check_retraction(moe_dir, NEW_TOKENS, caplog)
 
 
 def test_torch_compile_leaves_the_experts_out_and_equals_eager(tiny_model_factory):
@@ -103,8 +58,8 @@ def test_torch_compile_leaves_the_experts_out_and_equals_eager(tiny_model_factor
     path = tiny_model_factory(arch, **overrides)
     engine = Engine(path, max_total_tokens=2000, enable_torch_compile=True,
                     torch_compile_max_bs=16)
-    outs, _ = run(engine, PROMPTS[2:4])
-    assert outs == list(hf_greedy(path))[2:4]
+    outs, _ = run_greedy(engine, PROMPTS[2:4], NEW_TOKENS)
+    assert outs == list(hf_greedy(path, NEW_TOKENS))[2:4]
     assert engine.runner.compiled.calls["compiled"] >= NEW_TOKENS - 1
 
 
