@@ -189,6 +189,34 @@ def test_outputs_identical_with_slow_copies_and_many_requests(model):
     assert_all_free(engine)
 
 
+def test_waiters_on_host_loads_do_not_lock_the_pool_up_between_them(model):
+    """Multi-turn rounds (benchmarks/hicache.py's shape, small): every conversation's next turn
+    extends a prefix that went to the host tier, all queued at once with nothing running. Each
+    waiter used to count as "lone" and start its own load, until the loads held the pool and
+    none of them could be admitted; only a request with no other load in flight is lone."""
+    rng = random.Random(3)
+    convs = [[] for _ in range(8)]
+    engine = hicache(model, hicache_ratio=4)
+    plain = Engine(model, max_total_tokens=320)
+    for _ in range(3):
+        for h in convs:
+            h += [rng.randrange(5, 250) for _ in range(40)]
+        reqs = [r for h in convs for r in engine.add_request(list(h), GREEDY)]
+        for _ in range(2000):
+            if all(r.finished for r in reqs):
+                break
+            step_checked(engine)
+        assert all(r.finished for r in reqs), "stuck: the waiters' loads hold the pool"
+        ref = [r for h in convs for r in plain.add_request(list(h), GREEDY)]
+        run_checked(plain, ref)
+        assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+        for h, r in zip(convs, reqs):
+            h += r.output_ids
+    assert engine.scheduler.kv.stats.hits["host"] > 0
+    engine.close()
+    assert_all_free(engine)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_cuda_copy_stream_loads_and_backs_up():

@@ -215,8 +215,12 @@ class Scheduler(Commit):
             return Verdict.NO_BUDGET
         reservation = prefill.plan.reservation(r, extend)
         room = self.kv.available(prefix.node) - prefill.reserve  # its prefix is no longer evictable
-        if extend + prefix.loading + reservation > room and (self.running or prefill.chunks):
-            return Verdict.NO_ROOM  # (a lone request is always tried)
+        # a lone request is always tried; one is not lone while another's host load holds
+        # slots (each lone waiter starting its own load would lock the pool up between them)
+        others_loading = any(rid != r.rid for rid in self.kv.loads)
+        if extend + prefix.loading + reservation > room and (
+                self.running or prefill.chunks or others_loading):
+            return Verdict.NO_ROOM
         if prefix.loads is not None and prefix.loads.host_len:  # HiCache: copied back beside
             # the running batch first; it waits for the copy (False: its slots can't be freed)
             return Verdict.WAITS if self.kv.start_load(r, prefix) else Verdict.NO_ROOM
