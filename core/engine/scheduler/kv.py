@@ -243,6 +243,16 @@ class KVManager:
             cache.unpin()
             cache.dec_lock(prefix.node)
 
+    def land_now(self, req: Req) -> bool:
+        """Where the copier does not overlap loads with the step (a CPU's thread: see
+        hicache/copier.py), wait for ``req``'s load and finish it now, so that it is admitted
+        in this step; False (the request waits while the batch runs) elsewhere."""
+        copier = self.cache.copier
+        if not getattr(copier, "waits_for_loads", False) or copier.delay_steps:
+            return False
+        self.cache.drain()
+        return self.loads[req.rid].node.loading is None
+
     def poll(self) -> None:
         """Once per step: finish the copies that completed; unlock loads nobody waits for."""
         if not self.tiered:

@@ -223,7 +223,11 @@ class Scheduler(Commit):
             return Verdict.NO_ROOM
         if prefix.loads is not None and prefix.loads.host_len:  # HiCache: copied back beside
             # the running batch first; it waits for the copy (False: its slots can't be freed)
-            return Verdict.WAITS if self.kv.start_load(r, prefix) else Verdict.NO_ROOM
+            if not self.kv.start_load(r, prefix):
+                return Verdict.NO_ROOM
+            if not self.kv.land_now(r):  # (a CPU lands it now: admitted in this step)
+                return Verdict.WAITS
+            prefix = self.kv.match(r)
         if not self.kv.admit(r, prefix, n):
             return Verdict.NO_ROOM  # no request row, or its slots could not be freed
         r.status = Status.RUNNING
