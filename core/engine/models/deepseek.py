@@ -23,15 +23,14 @@ import torch
 from torch import nn
 
 from engine.errors import EngineError
-from engine.interfaces import GraphUnsupported
 from engine.layers.mla import MLAttention
 from engine.layers.moe import Expert, SparseMoE
 from engine.layers.moe_routing import GroupedTopKRouter
 from engine.layers.norm import RMSNorm
 from engine.models.config import ModelConfig
-from engine.models.llama import MLP, LlamaForCausalLM
-from engine.models.moe import held_elsewhere
-from engine.parallel.experts import expert_placement, expert_problem
+from engine.models.llama import MLP
+from engine.models.moe import ExpertsForCausalLM
+from engine.parallel.experts import expert_problem
 from engine.parallel.group import TPGroup
 from engine.parallel.mla import ParallelMLAttention
 from engine.parallel.moe import rank_experts, shared_expert
@@ -111,30 +110,12 @@ def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
     return f"{c.architecture}: {problem}" if problem else None
 
 
-class DeepseekForCausalLM(LlamaForCausalLM):
-    supports_pp = False
+class DeepseekForCausalLM(ExpertsForCausalLM):
     layer_cls = DeepseekDecoderLayer
     cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
+    cpu_graph_reason = CPU_GRAPH_REASON
+    parallel_problem = staticmethod(parallel_problem)
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
-        problem = parallel_problem(config, 1 if tp is None else tp.size,
-                                   1 if pp is None else pp.size,
-                                   1 if tp is None else getattr(tp, "ep_size", 1))
-        if problem:
-            raise EngineError(problem)
+    def check_config(self, config: ModelConfig) -> None:
         if config.mla is None:
             raise EngineError(f"{config.architecture} is no DeepSeek MLA architecture.")
-        super().__init__(config, tp, None)
-        # where this rank's routed experts are (None: one process, every expert whole)
-        self.experts_placement = None if tp is None or not config.num_experts else \
-            expert_placement(config.num_experts, config.moe_intermediate_size, tp)
-
-    def other_rank_tensor(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""
-        return held_elsewhere(self.experts_placement, name)
-
-    def piecewise_parts(self):
-        raise GraphUnsupported(CUDA_GRAPH_REASON)
-
-    def cpu_graph(self, g):
-        raise GraphUnsupported(CPU_GRAPH_REASON)

@@ -87,31 +87,46 @@ class MoEDecoderLayer(DecoderLayer):
                                        layout.float32_weights, experts=experts, tp=tp)
 
 
-class MoEForCausalLM(LlamaForCausalLM):
+class ExpertsForCausalLM(LlamaForCausalLM):
+    """What the mixture-of-experts families share: the parallel layouts they cannot split
+    refused up front (``parallel_problem``, the module's), the rank's expert placement, other
+    ranks' experts left unread by the loader, no graphs (each says why)."""
+
     supports_pp = False
-    layer_cls = MoEDecoderLayer
     cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
+    cpu_graph_reason = "MoE layers have no CPU graph nodes yet"
+    parallel_problem = staticmethod(parallel_problem)
+
+    def check_config(self, config: ModelConfig) -> None:
+        """Refuse a config this family cannot build (before anything is built)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
-        problem = parallel_problem(config, 1 if tp is None else tp.size,
-                                   1 if pp is None else pp.size,
-                                   1 if tp is None else getattr(tp, "ep_size", 1))
+        problem = self.parallel_problem(config, 1 if tp is None else tp.size,
+                                        1 if pp is None else pp.size,
+                                        1 if tp is None else getattr(tp, "ep_size", 1))
         if problem:
             raise EngineError(problem)
-        if config.architecture not in LAYOUTS:
-            raise EngineError(f"{config.architecture} has no MoE layout here (known: "
-                              f"{', '.join(LAYOUTS)}).")
+        self.check_config(config)
         super().__init__(config, tp, pp)
-        # where this rank's experts are (None: one process, every expert whole)
-        self.experts_placement = None if tp is None else placement.expert_placement(
-            config.num_experts, config.moe_intermediate_size, tp)
+        # where this rank's routed experts are (None: one process, every expert whole)
+        self.experts_placement = None if tp is None or not config.num_experts else \
+            placement.expert_placement(config.num_experts, config.moe_intermediate_size, tp)
 
     def other_rank_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""
         return self.other_stage_tensor(name) or held_elsewhere(self.experts_placement, name)
 
     def piecewise_parts(self):
-        raise GraphUnsupported(CUDA_GRAPH_REASON)
+        raise GraphUnsupported(self.cuda_graph_unsupported)
 
     def cpu_graph(self, g):
-        raise GraphUnsupported("MoE layers have no CPU graph nodes yet")
+        raise GraphUnsupported(self.cpu_graph_reason)
+
+
+class MoEForCausalLM(ExpertsForCausalLM):
+    layer_cls = MoEDecoderLayer
+
+    def check_config(self, config: ModelConfig) -> None:
+        if config.architecture not in LAYOUTS:
+            raise EngineError(f"{config.architecture} has no MoE layout here (known: "
+                              f"{', '.join(LAYOUTS)}).")
