@@ -27,7 +27,7 @@ from collections import deque
 import torch
 
 from engine.hicache.copier import make_copier
-from engine.memory.radix_cache import Inserted, Node, RadixCache, _tick
+from engine.memory.radix_cache import Node, RadixCache, _tick
 
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
@@ -113,37 +113,19 @@ class HiRadixCache(RadixCache):
         return upper
 
     # -- insert ----------------------------------------------------------------------------
-    def insert(self, key, value: torch.Tensor) -> Inserted:
-        """As the base class's; a host-only node on the way takes the caller's slots as its
-        device copy (so ``cached`` ends where the first such node starts)."""
-        assert len(key) == len(value) and len(key) % self.page_size == 0
-        key = tuple(key)
-        node, done, values, dup = self.root, 0, [], None
-        node.last_access = next(_tick)
-        while done < len(key):
-            rest = key[done:]
-            child = node.children.get(self._child_key(rest))
-            if child is None:
-                new = Node(rest, value[done:].clone(), node)
-                node.children[self._child_key(rest)] = new
-                self.total_size += len(rest)
-                values.append(new.value)
-                self._hit(new)
-                return Inserted(done if dup is None else dup, new, torch.cat(values))
-            n = self._common(child.key, rest)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = next(_tick)
-            if child.loading is not None:  # (rare) the caller's forward will read these slots
-                child.loading.order_after()
-            if child.value is None:  # host-only: the caller's slots become its device copy
-                dup = done if dup is None else dup
-                child.value = value[done: done + n].clone()
-                self.total_size += n
-            values.append(child.value)
-            node, done = child, done + n
-        return Inserted(done if dup is None else dup, node,
-                        torch.cat(values) if values else value[:0])
+    def _added(self, node: Node) -> None:
+        self._hit(node)
+
+    def _adopt(self, node: Node, value: torch.Tensor) -> bool:
+        """A host-only node on the way takes the caller's slots as its device copy (so
+        ``insert``'s cached count ends where the first such node starts)."""
+        if node.loading is not None:  # (rare) the caller's forward will read these slots
+            node.loading.order_after()
+        if node.value is not None:
+            return False
+        node.value = value.clone()
+        self.total_size += len(value)
+        return True
 
     # -- write policies ----------------------------------------------------------------------
     def record_hit(self, node: Node) -> None:

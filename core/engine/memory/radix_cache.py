@@ -117,7 +117,7 @@ class RadixCache:
         node that ends at ``key`` and the slots the tree now holds for ``key``."""
         assert len(key) == len(value) and len(key) % self.page_size == 0
         key = tuple(key)
-        node, done, values = self.root, 0, []
+        node, done, values, dup = self.root, 0, [], None
         node.last_access = next(_tick)
         while done < len(key):
             rest = key[done:]
@@ -127,14 +127,26 @@ class RadixCache:
                 node.children[self._child_key(rest)] = new
                 self.total_size += len(rest)
                 values.append(new.value)
-                return Inserted(done, new, torch.cat(values))
+                self._added(new)
+                return Inserted(done if dup is None else dup, new, torch.cat(values))
             n = self._common(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(_tick)
+            if self._adopt(child, value[done: done + n]) and dup is None:
+                dup = done  # the caller's slots from here on are the tree's now
             values.append(child.value)
             node, done = child, done + n
-        return Inserted(done, node, torch.cat(values) if values else value[:0])
+        return Inserted(done if dup is None else dup, node,
+                        torch.cat(values) if values else value[:0])
+
+    def _added(self, node: Node) -> None:
+        """``insert`` made ``node`` (a subclass's hook)."""
+
+    def _adopt(self, node: Node, value: torch.Tensor) -> bool:
+        """``insert`` passed through ``node``, whose key ``value``'s slots also hold: True when
+        the node takes them as its own (a subclass's node with no device copy), else False."""
+        return False
 
     # -- locks ---------------------------------------------------------------------------------
     def inc_lock(self, node: Node) -> None:
