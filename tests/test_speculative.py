@@ -287,6 +287,7 @@ def test_flags_sglang_and_vllm_spellings_and_clashes(model):
         ({"speculative_config": {"method": "ngram", "lookahead": 3}}, "unknown key"),
         ({"speculative_config": {"method": "medusa"}}, "method 'medusa' is not one"),
         ({"speculative_num_draft_tokens": 4}, "needs --speculative-algorithm"),
+        ({"speculative_ngram_max_match_window_size": 4}, "needs --speculative-algorithm"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
         ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
           "speculative_ngram_max_match_window_size": 3}, "is above"),

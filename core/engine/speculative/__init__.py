@@ -6,7 +6,7 @@ overwritten) and the model-based drafter that plugins build on (draft_model.py:
 ``ModelDrafter``). Drafters are plugins (``register_speculative_algorithms``)."""
 
 from engine.speculative.draft_model import ModelDrafter, PooledDrafter, check_chain_flags
-from engine.speculative.settings import SpecConfigError, SpecSettings, spec_settings
+from engine.speculative.settings import NGRAM_WINDOW, SpecConfigError, SpecSettings, spec_settings
 
-__all__ = ["ModelDrafter", "PooledDrafter", "SpecConfigError", "SpecSettings",
+__all__ = ["NGRAM_WINDOW", "ModelDrafter", "PooledDrafter", "SpecConfigError", "SpecSettings",
            "check_chain_flags", "spec_settings"]

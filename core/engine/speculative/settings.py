@@ -16,6 +16,7 @@ VLLM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lo
              "model")
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's; plugins may add more
 DEFAULT_NUM_DRAFT_TOKENS = {"NGRAM": 8, "STANDALONE": 5, "EAGLE": 4, "EAGLE3": 4}
+NGRAM_WINDOW = (1, 12)  # the n-gram match window's default (SGLang's), when not given
 
 
 class SpecConfigError(ConfigError):
@@ -101,7 +102,13 @@ def spec_settings(config) -> SpecSettings | None:
                             ("--speculative-draft-model-path",
                              config.speculative_draft_model_path),
                             ("--speculative-num-steps", config.speculative_num_steps),
-                            ("--speculative-eagle-topk", config.speculative_eagle_topk)):
+                            ("--speculative-eagle-topk", config.speculative_eagle_topk),
+                            ("--speculative-ngram-min-match-window-size",
+                             config.speculative_ngram_min_match_window_size),
+                            ("--speculative-ngram-max-match-window-size",
+                             config.speculative_ngram_max_match_window_size),
+                            ("--speculative-ngram-max-bfs-breadth",
+                             config.speculative_ngram_max_bfs_breadth)):
             if value is not None:
                 raise SpecConfigError(f"{flag} needs --speculative-algorithm (e.g. "
                                       f"{', '.join(ALGORITHMS)}) or --speculative-config")
@@ -128,7 +135,7 @@ def spec_settings(config) -> SpecSettings | None:
                "--speculative-config prompt_lookup_max", v.get("prompt_lookup_max"))
     _positive("--speculative-ngram-min-match-window-size", lo)
     _positive("--speculative-ngram-max-match-window-size", hi)
-    if (lo or 1) > (hi or 12):
+    if (lo or NGRAM_WINDOW[0]) > (hi or NGRAM_WINDOW[1]):
         raise SpecConfigError(f"--speculative-ngram-min-match-window-size {lo} is above "
                               f"--speculative-ngram-max-match-window-size {hi}")
     for flag, value in (("--speculative-num-steps", config.speculative_num_steps),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from engine.errors import EngineError
 from engine.interfaces import Draft, Drafter
+from engine.speculative import NGRAM_WINDOW
 
 NONE = Draft([], 0)
 
@@ -37,7 +38,8 @@ class NgramDrafter(Drafter):
                 raise EngineError(f"{flag} does not apply to --speculative-algorithm NGRAM "
                                   f"(it drafts by lookup, with no draft model): drop it, or "
                                   f"choose an algorithm that uses it (STANDALONE, EAGLE)")
-        return cls(s.ngram_min_match_window or 1, s.ngram_max_match_window or 12)
+        lo, hi = NGRAM_WINDOW
+        return cls(s.ngram_min_match_window or lo, s.ngram_max_match_window or hi)
 
     def describe(self) -> str:
         return f"match window {self.min_window}-{self.max_window} tokens"
