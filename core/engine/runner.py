@@ -182,7 +182,7 @@ class ModelRunner:
         return seconds
 
     def init_cpu_graph(self, max_rows: int):
-        """Record the decode forward as a CPU graph for up to ``max_rows`` requests (see
+        """Record the forward as a CPU graph for steps of up to ``max_rows`` tokens (see
         engine/cpu_graph); raises GraphUnsupported saying why it cannot."""
         from engine.cpu_graph.replay import CpuGraphRunner
 
