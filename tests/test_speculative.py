@@ -109,6 +109,34 @@ def test_seeded_sampling_n_and_penalties_identical(model):
     assert got == ref
 
 
+def test_echo_with_prompt_logprobs_next_to_drafting_requests(model):
+    """A request scoring its prompt (echo + logprobs) among requests that draft: its prompt
+    chunks run without drafts, its logprobs and everyone's tokens are those of no speculation."""
+    prompts = [ids(70 + i, 30) * 2 for i in range(3)]
+    outs = []
+    for spec in (False, True):
+        engine = Engine(model, max_total_tokens=4000, chunked_prefill_size=16,
+                        **({"speculative_algorithm": "NGRAM"} if spec else {}))
+        if spec:
+            draft_everything(engine)
+        reqs = (engine.add_request(prompts[0], {**GREEDY, "max_new_tokens": 20})
+                + engine.add_request(prompts[1], {**GREEDY, "max_new_tokens": 12,
+                                                  "logprobs": True}, prompt_logprobs=2)
+                + engine.add_request(prompts[2], {"temperature": 0.8, "seed": 9,
+                                                  "max_new_tokens": 16, "ignore_eos": True}))
+        for _ in range(500):
+            if all(r.finished for r in reqs):
+                break
+            engine.step()
+            engine.scheduler.check_invariants()
+        outs.append([(r.output_ids, [round(x, 3) for x in r.output_logprobs],
+                      [None if x is None else round(x, 3) for x in r.input_logprobs])
+                     for r in reqs])
+        assert_all_free(engine)
+    assert outs[1] == outs[0]
+    assert len(outs[1][1][2]) == len(prompts[1]) and engine.scheduler.spec.stats.accepted > 0
+
+
 def test_stop_ids_stop_strings_and_lengths_end_inside_a_draft(model):
     prompts = [ids(40 + i, 10) for i in range(4)]
     reference = Engine(model, max_total_tokens=4000).generate(
