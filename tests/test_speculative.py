@@ -254,8 +254,19 @@ def test_a_draft_model_through_a_retraction_storm(model):
     kw = {"max_total_tokens": 200, "schedule_conservativeness": 0.1}
     ref = run(Engine(model, **kw), prompts, params)
     engine = standalone(model, model, **kw)
-    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+    got = run(engine, prompts, params, every_step=checked_with_no_state_for_the_waiting)
     assert engine.scheduler.counters.retracted_reqs >= 1 and got == ref
+    drafter = engine.scheduler.spec.drafter
+    assert engine.scheduler.spec.stats.drafted > 0
+    assert not drafter.state and drafter.pool.free_slots == drafter.pool.size
+
+
+def checked_with_no_state_for_the_waiting(engine):
+    """The slot invariant, and a retracted (waiting) request holds no drafter row: its
+    slots in the draft model's pool went back for the running requests."""
+    s = engine.scheduler
+    s.check_invariants()
+    assert not {r.rid for r in s.waiting} & set(s.spec.drafter.state)
 
 
 def test_a_draft_model_is_refused_with_the_reason(model, tiny_model_factory):

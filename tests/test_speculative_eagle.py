@@ -108,7 +108,12 @@ def test_a_retraction_storm_keeps_the_invariant_and_the_outputs(algo, target, he
     kw = {"max_total_tokens": 200, "schedule_conservativeness": 0.1}
     ref = run(Engine(target, **kw), prompts, params)
     engine = eagle_engine(target, algo, heads[algo], **kw)
-    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+
+    def checked(e):  # the invariant; a retracted request holds no drafter row
+        e.scheduler.check_invariants()
+        assert not {r.rid for r in e.scheduler.waiting} & set(e.scheduler.spec.drafter.state)
+
+    got = run(engine, prompts, params, every_step=checked)
     assert engine.scheduler.counters.retracted_reqs >= 1 and got == ref
     assert engine.scheduler.spec.stats.drafted > 0
     assert_all_free(engine)

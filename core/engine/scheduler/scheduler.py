@@ -159,6 +159,8 @@ class Scheduler(Commit):
             self.kv.retract(victim)
             victim.status = Status.WAITING
             victim.num_retractions += 1
+            if self.spec is not None:
+                self.spec.retracted(victim.rid)
             victims.append(victim)
         self.running = [r for r in self.running if r.status is Status.RUNNING]
         self.waiting += victims

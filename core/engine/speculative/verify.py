@@ -55,6 +55,13 @@ class SpecDecoder:
         self.drafter.release(rid)
         self.policy.forget(rid)
 
+    def retracted(self, rid: str) -> None:
+        """A retracted request gives its drafter state up (a draft model's row and slots go
+        back to its pool for the requests still running); it is rebuilt when the request runs
+        again, from the recomputed prompt and output as for a new one. The policy keeps the
+        request's acceptance record: its text has not changed."""
+        self.drafter.release(rid)
+
     def forwarded(self, reqs: list, batch) -> None:
         """The target's forward over ``batch`` (of ``reqs``) ran and keeps all its tokens: a
         drafter reading hidden states gets them (scheduler._run, before its commit)."""
