@@ -19,6 +19,7 @@ from engine.interfaces import GraphUnsupported
 from engine.layers.moe_routing import grouped_topk
 from engine.models.checkpoint import open_checkpoint
 from engine.models.config import ModelConfig
+from engine.parallel.stage import PPStage
 from engine.quality import prefill_logits as prefill
 from engine.registry import EngineError, IncompatibleOptions, resolve_attention_backend
 from engine_testing.checkpoints import DEEPSEEK_CASES
@@ -239,6 +240,8 @@ def test_graphs_and_parallelism_say_why_they_are_off(ds_dir, make_runner):
         runner.init_piecewise_cuda_graphs(64, graph_cls=EagerGraph)
     with pytest.raises(GraphUnsupported, match="MLA attention and MoE layers have no CPU graph"):
         runner.init_cpu_graph(8)
-    with pytest.raises(EngineError, match="multi-head latent attention.*--pp-size stages are "
-                                          "not available for it yet"):
-        type(runner.model)(runner.model_config, pp=SimpleNamespace(size=2, rank=0))
+    # a pipeline stage's layers are dense or sparse by their index in the model
+    config = runner.model_config
+    last = config.num_layers - 1
+    stage = type(runner.model)(config, pp=PPStage(1, 2, last, last + 1))
+    assert type(stage.model.layers[str(last)].mlp) is type(runner.model.model.layers[last].mlp)

@@ -159,16 +159,9 @@ def test_quantization_methods_quantize_every_expert(moe_dir, make_runner, method
 
 
 # -- refused, each with its reason -----------------------------------------------------------
-@pytest.mark.parametrize("flags", [{"pp_size": 2}, {"tp_size": 2, "pp_size": 2}])
-def test_pipeline_stages_are_refused_before_any_rank_starts(moe_dir, flags):
-    """(--tp-size and --ep-size: tests/test_moe_parallel.py)"""
-    with pytest.raises(EngineError, match=r"mixture-of-experts model \(8 experts\): --pp-size "
-                                          r"stages are not available for it yet.*--pp-size 1"):
-        Engine(moe_dir, **flags)
-
-
 def test_a_model_built_for_ranks_refuses_too(moe_dir, registries):
-    """The same reason if a rank builds the model anyway (load_model's own checks)."""
+    """The same reason if a rank builds the model anyway; a pipeline stage builds its own
+    layers (--pp-size through the Engine: tests/test_moe_parallel.py)."""
     from engine.models.checkpoint import open_checkpoint
     from engine.models.config import ModelConfig
     from engine.models.loader import load_model
@@ -178,12 +171,11 @@ def test_a_model_built_for_ranks_refuses_too(moe_dir, registries):
     ckpt = open_checkpoint(moe_dir)
     config = ModelConfig.from_checkpoint(ckpt, registries.models)
     cls = resolve_model_class(registries, config.architecture)
-    with pytest.raises(EngineError, match="--pp-size stages are not available"):
-        cls(config, pp=PPStage(0, 2, 0, 1))
     with pytest.raises(EngineError, match="--ep-size 4 must divide --tp-size 2"):
         cls(config, tp=SimpleNamespace(size=2, rank=0, ep_size=4))
-    with pytest.raises(EngineError, match=f"{config.architecture} does not support --pp-size"):
-        load_model(cls, config, ckpt, torch.float32, pp=PPStage(0, 2, 0, 1))
+    last = config.num_layers - 1
+    stage = load_model(cls, config, ckpt, torch.float32, pp=PPStage(1, 2, last, last + 1))
+    assert list(stage.model.layers) == [str(last)]
 
 
 def test_graphs_say_why_they_are_off(moe_dir, make_runner):

@@ -4,7 +4,8 @@ of its own; either way one all-reduce per MoE layer. DeepSeek's MLA heads are cu
 latent replicated (parallel/mla.py). Through the Engine (rank 0 here, the
 others worker processes over gloo) each layout generates exactly what one process generates,
 greedy and seeded, with chunked prefill, prefix-cache hits and retraction; a rank loads only
-its experts' slices; bad layouts are refused before any process starts. Every wait is bounded
+its experts' slices; pipeline stages (--pp-size, with tp and ep too) generate the same;
+bad layouts are refused before any process starts. Every wait is bounded
 (--dist-timeout)."""
 
 from __future__ import annotations
@@ -83,6 +84,22 @@ def test_moe_over_ranks_generates_what_one_process_does(models, case, parallel, 
         assert len({r["kv_bytes_per_token"] for r in info["ranks"]}) == 1
 
 
+@pytest.mark.parametrize("case,parallel,per_rank", [
+    ("qwen3_moe_mlp_only", {"pp_size": 2}, None),  # 2 layers: one a stage
+    # a dense first layer: stage 1's layers are sparse by their index in the model
+    ("v2_lite_bias", {"pp_size": 2}, None),
+    ("mixtral_window", {"pp_size": 2, "tp_size": 2, "ep_size": 2}, 4),  # 4 ranks
+])
+def test_moe_over_pipeline_stages_generates_what_one_process_does(models, case, parallel,
+                                                                   per_rank):
+    ref, retracted = one_process(models[case])
+    got, retracted_too, info = generate(models[case], **parallel)
+    assert got == ref
+    assert retracted_too == retracted > 0
+    assert info["pp_size"] == 2 and len({r["pp_rank"] for r in info["ranks"]}) == 2
+    assert info.get("experts_per_rank") == per_rank
+
+
 def test_the_start_log_says_where_the_experts_are(models, caplog):
     caplog.set_level(logging.INFO, logger="engine")
     engine = Engine(models["mixtral_window"], **{**BASE, "max_total_tokens": 512}, tp_size=2,
@@ -134,9 +151,6 @@ def test_a_rank_loads_only_its_experts_slices(models, registries, ep):
     ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention .* not supported yet"),
     ({"tp_size": 2, "ep_size": 2, "model": "dense"},
      "--ep-size 2 splits a mixture-of-experts model's experts, and LlamaForCausalLM has none"),
-    ({"tp_size": 2, "pp_size": 2}, "--pp-size stages are not available for it yet"),
-    ({"tp_size": 2, "pp_size": 2, "model": "v3_noaux_tc"},
-     "multi-head latent attention, 16 experts\\): --pp-size stages are not available"),
 ])
 def test_bad_layouts_are_refused_before_any_process_starts(models, tiny_model_dir, kwargs,
                                                            match):

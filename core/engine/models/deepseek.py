@@ -13,8 +13,10 @@ With ``--tp-size`` the attention heads are cut over the ranks, the latent replic
 shared experts and the dense MLPs cut like a dense MLP; one all-reduce per attention and per
 feed-forward block.
 
-Not yet (issue 31's later parts), each refused with its reason: pipeline parallelism; CUDA
-graphs and piecewise CUDA graphs; the CPU graph; attention backends without MLA
+With ``--pp-size`` a stage holds its layers (llama.py's stages), each dense or sparse by its
+index in the model.
+
+Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA graphs; the CPU graph; attention backends without MLA
 (``register_attention_backends(mla=True)``: torch_native, and triton on a CUDA GPU)."""
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = (MLAttention(config, layer_id) if tp is None else
                           ParallelMLAttention(config, layer_id, tp))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DeepseekMoE(config, tp) if config.is_moe_layer(layer_id) else MLP(config, tp)
+        # dense or sparse by the layer's index in the model (a pipeline stage's layer_id is
+        # its index in the stage's KV pool)
+        sparse = config.is_moe_layer(layer_id if global_id is None else global_id)
+        self.mlp = DeepseekMoE(config, tp) if sparse else MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -86,11 +91,6 @@ def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
                      ep_size: int = 1) -> str | None:
     """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks with ``--ep-size``
     ``ep_size`` (None: it can)."""
-    if pp_size > 1:
-        return (f"{config.architecture} (multi-head latent attention"
-                f"{f', {config.num_experts} experts' if config.num_experts else ''}): --pp-size "
-                f"stages are not available for it yet; serve it with --pp-size 1 (--tp-size and "
-                f"--ep-size split it).")
     if tp_size == 1:
         return None
     c, what = config, []

@@ -12,9 +12,12 @@ holds this rank's experts (engine.parallel.moe: every expert's intermediate slic
 ``--ep-size`` whole experts of its own), the router whole, one all-reduce per block; the
 checkpoint tensors of experts another rank holds are never read (``other_rank_tensor``).
 
-Not yet (issue 31's later parts), each refused with its reason: pipeline stages
-(``--pp-size``), CUDA graphs and piecewise CUDA graphs (the expert loop reads its per-expert
-counts on the host), the CPU graph (no MoE node yet)."""
+With ``--pp-size`` a stage holds its layers (llama.py's stages; each layer sparse or dense by
+its index in the model).
+
+Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA
+graphs (the expert loop reads its per-expert counts on the host), the CPU graph (no MoE node
+yet)."""
 
 from __future__ import annotations
 
@@ -59,10 +62,6 @@ def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
                     f"{config.architecture} has none; drop --ep-size (or "
                     f"--enable-expert-parallel).")
         return None
-    if pp_size > 1:
-        return (f"{config.architecture} is a mixture-of-experts model ({config.num_experts} "
-                f"experts): --pp-size stages are not available for it yet; serve it with "
-                f"--pp-size 1 (--tp-size and --ep-size split it).")
     problem = placement.expert_problem(config.num_experts, config.moe_intermediate_size,
                                        tp_size, ep_size)
     return f"{config.architecture}: {problem}" if problem else None
@@ -92,7 +91,7 @@ class ExpertsForCausalLM(LlamaForCausalLM):
     refused up front (``parallel_problem``, the module's), the rank's expert placement, other
     ranks' experts left unread by the loader, no graphs (each says why)."""
 
-    supports_pp = False
+    supports_pp = True  # a stage's layers, named by their global index (llama.py)
     cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
     cpu_graph_reason = "MoE layers have no CPU graph nodes yet"
     parallel_problem = staticmethod(parallel_problem)
