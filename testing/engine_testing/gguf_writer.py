@@ -22,10 +22,14 @@ PER_LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
 }
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3"}
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+# a sparse layer's experts: each projection of every expert stacked in one
+# [experts, out, in] tensor (llama.cpp's *_exps)
+EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps"}
 # K-quants have no quantizer in the gguf package: their blocks are filled with random bits and
 # these float16 scale fields (byte offsets in a block) set small, so the weights stay tame
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
@@ -40,6 +44,24 @@ def gguf_tensor_name(name: str) -> str:
     layer, _, tail = rest.partition(".")
     module, _, suffix = tail.rpartition(".")
     return f"blk.{layer}.{PER_LAYER[module]}.{suffix}"
+
+
+def stack_experts(tensors: dict) -> dict:
+    """HF's per-expert tensors (model.layers.L.mlp.experts.E.P.weight) replaced by one stacked
+    [experts, out, in] array per layer and projection, named as llama.cpp names it
+    (blk.L.ffn_P_exps.weight); everything else as it is."""
+    out, stacks = {}, {}
+    for name, arr in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = arr
+            continue
+        expert, proj, _ = tail.split(".")
+        layer = head.rpartition(".")[2]
+        stacks.setdefault(f"blk.{layer}.{EXPERT_STACKS[proj]}.weight", {})[int(expert)] = arr
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -120,6 +142,11 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(params["factor"])
     w.add_vocab_size(hf["vocab_size"])
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5: the latter
+    if experts:  # Qwen3-MoE, as llama.cpp's Qwen2MoeModel converter writes it
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     if tokenizer:
         _add_tokenizer(w, hf_dir)
 
@@ -127,6 +154,7 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     if rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(params, head_dim, theta))
+    tensors = stack_experts(tensors)
     for name, arr in tensors.items():
         if hf.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
@@ -135,7 +163,10 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
             arr = permute_rows(arr, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = permute_rows(arr, kv_heads)
-        if arr.ndim == 2:
+        if arr.ndim == 3:  # experts stacked: each expert's rows encoded as a 2-D weight's
+            data, raw = _encode(gguf, arr.reshape(-1, arr.shape[-1]), qtype, rng)
+            w.add_tensor(name, data.reshape(arr.shape[0], arr.shape[1], -1), raw_dtype=raw)
+        elif arr.ndim == 2:
             data, raw = _encode(gguf, arr, qtype, rng)
             w.add_tensor(gguf_tensor_name(name), data, raw_dtype=raw)
         else:

@@ -24,8 +24,12 @@ LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router
 }
+# a sparse layer's experts, each projection stacked in one [experts, out, in] tensor: loaded as
+# HF's per-expert tensors (model.layers.L.mlp.experts.E.P.weight)
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 # GGUF block types a registered linear kernel may run as they are (weight_dtype names)
 BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency rope factors: config, not a weight
@@ -48,6 +52,19 @@ def hf_name(name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
     return None
+
+
+def expert_stack(name: str) -> tuple[int, str] | None:
+    """(layer, HF projection) of llama.cpp's stacked expert tensor ``name``, else None."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] in EXPERT_STACKS and parts[3] == "weight":
+        return int(parts[1]), EXPERT_STACKS[parts[2]]
+    return None
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -159,7 +176,8 @@ class GGUFFile:
         for t in self.reader.tensors:
             if t.tensor_type not in checked:
                 checked[t.tensor_type] = can_dequantize(t.tensor_type)
-            if not checked[t.tensor_type] and hf_name(t.name) is not None:
+            loaded = hf_name(t.name) is not None or expert_stack(t.name) is not None
+            if not checked[t.tensor_type] and loaded:
                 gguf = gguf_package()
                 ok = [q.name for q in gguf.GGMLQuantizationType if can_dequantize(q)]
                 raise GGUFError(
@@ -237,8 +255,28 @@ class GGUFFile:
         for info in self.reader.tensors:
             if info.name == ROPE_FREQS:
                 continue  # read into the config's rope_scaling
+            stack = expert_stack(info.name)
+            if stack is not None:  # one tensor per expert, as HF checkpoints hold them
+                yield from self._experts(info, *stack, dtype, keep)
+                continue
             name = hf_name(info.name) or info.name
             if keep is not None and not keep(name):
                 continue
             tensor = self._unpermuted(name, torch.from_numpy(self.array(info)), hf)
             yield name, tensor.to(dtype).contiguous()
+
+    def _experts(self, info, layer: int, proj: str, dtype: torch.dtype, keep
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stacked tensor ``info`` as its experts' weights (only those ``keep`` accepts;
+        none of them: not dequantized)."""
+        names = [expert_name(layer, e, proj) for e in range(int(info.shape[-1]))]
+        wanted = [(e, n) for e, n in enumerate(names) if keep is None or keep(n)]
+        if not wanted:
+            return
+        stacked = self.array(info)
+        if stacked.ndim != 3:
+            raise GGUFError(f"'{self.path}': tensor '{info.name}' has shape "
+                            f"{list(stacked.shape)}; stacked experts are [experts, rows, "
+                            f"columns]")
+        for e, name in wanted:
+            yield name, torch.from_numpy(stacked[e]).to(dtype).contiguous()

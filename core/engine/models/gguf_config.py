@@ -12,7 +12,8 @@ from engine.models.gguf import MISSING, ROPE_FREQS, GGUFError, GGUFFile, gguf_pa
 # general.architecture -> the HF architecture our model registry knows. Mistral's GGUFs say
 # "llama" (llama.cpp converts MistralForCausalLM as a Llama, without a sliding window).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 
 def checkpoint_dtype(f: GGUFFile) -> str:
@@ -35,7 +36,7 @@ def hf_config(f: GGUFFile) -> dict:
         raise GGUFError(
             f"Unsupported GGUF architecture '{arch}' (general.architecture in "
             f"'{f.path}'). Supported: {', '.join(ARCHITECTURES)} (the Llama family: "
-            f"Llama, Mistral, Qwen2, Qwen3).")
+            f"Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).")
     p = f"{arch}."
     hidden = int(f.get(p + "embedding_length"))
     heads = _uniform(f, p + "attention.head_count")
@@ -53,10 +54,13 @@ def hf_config(f: GGUFFile) -> dict:
         vocab = int(embed.shape[-1])
     hf: dict = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": _uniform(f, p + "feed_forward_length"),
+        # a MoE file with no dense layer may leave it out: its experts' size stands in
+        "intermediate_size": _uniform(f, p + "feed_forward_length",
+                                      f.get(p + "expert_feed_forward_length", MISSING)
+                                      if not f.has(p + "feed_forward_length") else MISSING),
         "num_hidden_layers": int(f.get(p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -72,6 +76,8 @@ def hf_config(f: GGUFFile) -> dict:
         "engine_source": {"format": "gguf", "file": os.path.basename(f.path),
                           "general.name": f.get("general.name", None)},
     }
+    if f.has(p + "expert_count"):
+        hf.update(_experts(f, p, hf["num_hidden_layers"]))
     rope = _rope_scaling(f, p, head_dim)
     if rope is not None:
         hf["rope_scaling"] = rope
@@ -83,6 +89,19 @@ def hf_config(f: GGUFFile) -> dict:
     if eot is not None and eot != hf.get("eos_token_id"):
         hf["eos_token_id"] = [x for x in (hf.get("eos_token_id"), int(eot)) if x is not None]
     return hf
+
+
+def _experts(f: GGUFFile, p: str, layers: int) -> dict:
+    """A mixture of experts' config (Qwen3-MoE as llama.cpp converts and runs it: the top-k
+    weights always renormalized; a layer is sparse where the file stacks its experts)."""
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in f.tensor_infos]
+    if len(dense) == layers:
+        raise GGUFError(f"'{f.path}': {p}expert_count is set but no layer has expert tensors "
+                        f"(blk.N.ffn_gate_exps.weight).")
+    return {"num_experts": int(f.get(p + "expert_count")),
+            "num_experts_per_tok": int(f.get(p + "expert_used_count")),
+            "moe_intermediate_size": int(f.get(p + "expert_feed_forward_length")),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
 def _uniform(f: GGUFFile, key: str, default: Any = MISSING) -> int:

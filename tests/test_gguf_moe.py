@@ -1,0 +1,157 @@
+"""Qwen3-MoE GGUF files (llama.cpp's "qwen3moe": the router as ffn_gate_inp, each projection
+of a layer's experts stacked in one ffn_*_exps tensor, top-k weights renormalized), written
+from tiny random HF checkpoints as llama.cpp's converter writes them, with a dense layer among
+the sparse ones. F32: the HF model they came from, logits and greedy tokens; quantized: an HF
+model holding the file's weights as gguf-py dequantizes them (transformers' own GGUF loader
+reads neither the expert sizes nor a dense layer of this architecture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine
+from engine.runner import ModelRunner
+from engine_testing.checkpoints import MOE_CASES
+from engine_testing.generation import greedy_generate
+from engine_testing.gguf_writer import EXPERT_STACKS, GLOBAL, PER_LAYER
+from engine_testing.logits import compare_prompt_logits
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+ARCH, CASE = MOE_CASES["qwen3_moe_mlp_only"]  # 8 experts, top-3, renormalized; layer 1 dense
+# sizes every block divides (K-quants: 256)
+WIDE = {**CASE, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256}
+LOGIT_TOL = 1e-4  # max |ours - reference| <= LOGIT_TOL * max(1, max |reference|)
+PROMPTS = [[1, 17, 94, 301, 5, 77, 12], [3, 250, 251, 9], [44] * 5 + [45, 46]]
+
+
+def hf_model(path: str):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def runner_for(path, registries, device) -> ModelRunner:
+    runner = ModelRunner(path, registries=registries, device=device, dtype="float32")
+    runner.init_kv_pool(1024)
+    return runner
+
+
+def dequantized_copy(hf_dir: str, gguf_path: str, out_dir: str) -> str:
+    """``hf_dir`` with its weights replaced by the GGUF's, dequantized by gguf-py and renamed
+    back to HF's names here (independently of the engine's reader)."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    back = {v: k for k, v in GLOBAL.items()}
+    layer_back = {v: k for k, v in PER_LAYER.items()}
+    stacks = {v: k for k, v in EXPERT_STACKS.items()}
+    weights = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            tuple(int(d) for d in reversed(t.shape.tolist()))).astype(np.float32)
+        stem, _, suffix = t.name.rpartition(".")
+        if t.name in back:
+            weights[back[t.name]] = arr
+            continue
+        _, layer, piece = stem.split(".")
+        if piece in stacks:
+            for e in range(arr.shape[0]):
+                weights[f"model.layers.{layer}.mlp.experts.{e}.{stacks[piece]}.{suffix}"] = \
+                    np.ascontiguousarray(arr[e])
+        else:
+            weights[f"model.layers.{layer}.{layer_back[piece]}.{suffix}"] = arr
+    shutil.copytree(hf_dir, out_dir)
+    os.remove(os.path.join(out_dir, "model.safetensors"))
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def test_the_file_is_written_as_llama_cpp_writes_it(tiny_gguf_factory):
+    import gguf
+
+    r = gguf.GGUFReader(tiny_gguf_factory(ARCH, "F32", **CASE))
+    fields = {k: r.fields[k].contents() for k in r.fields if k.startswith("qwen3moe.expert")}
+    assert fields == {"qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 3,
+                      "qwen3moe.expert_feed_forward_length": CASE.get(
+                          "moe_intermediate_size", 64)}
+    shapes = {t.name: t.shape.tolist() for t in r.tensors if t.name.startswith("blk.0.ffn")}
+    hidden, inter = 128, shapes["blk.0.ffn_gate_exps.weight"][1]
+    assert shapes == {"blk.0.ffn_gate_inp.weight": [hidden, 8],
+                      "blk.0.ffn_gate_exps.weight": [hidden, inter, 8],
+                      "blk.0.ffn_up_exps.weight": [hidden, inter, 8],
+                      "blk.0.ffn_down_exps.weight": [inter, hidden, 8],
+                      "blk.0.ffn_norm.weight": [hidden]}
+    assert "blk.1.ffn_gate.weight" in {t.name for t in r.tensors}  # the dense layer
+
+
+def test_f32_file_matches_the_hf_model_it_came_from(tiny_model_factory, tiny_gguf_factory,
+                                                    registries, cpu_device):
+    runner = runner_for(tiny_gguf_factory(ARCH, "F32", **CASE), registries, cpu_device)
+    config = runner.model_config
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == \
+        (ARCH, 8, 3)
+    assert config.norm_topk_prob and config.mlp_only_layers == (1,)
+    hf = hf_model(tiny_model_factory(ARCH, **CASE))
+    compare_prompt_logits(runner, hf, PROMPTS, LOGIT_TOL)
+    for p, out in zip(PROMPTS, greedy_generate(runner, PROMPTS, 16)):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)
+        assert out == ref[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
+def test_quantized_file_matches_its_dequantized_weights(qtype, tiny_model_factory,
+                                                        tiny_gguf_factory, registries,
+                                                        cpu_device, tmp_path):
+    path = tiny_gguf_factory(ARCH, qtype, **WIDE)
+    import gguf
+
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors
+             if t.name.endswith("_exps.weight")}
+    assert types == {qtype}  # the experts really are stored in that type
+    runner = runner_for(path, registries, cpu_device)
+    hf = hf_model(dequantized_copy(tiny_model_factory(ARCH, **WIDE), path,
+                                   str(tmp_path / "dequantized")))
+    compare_prompt_logits(runner, hf, PROMPTS, LOGIT_TOL)
+
+
+def test_the_engine_serves_the_file_as_the_checkpoint(tiny_model_factory, tiny_gguf_factory):
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    prompts = ["Hello there", "Flat is better than nested."]
+    outs = []
+    for path in (tiny_model_factory(ARCH, **CASE), tiny_gguf_factory(ARCH, "F32", **CASE)):
+        engine = Engine(path, max_total_tokens=512, chunked_prefill_size=8,
+                        grammar_backend="none")
+        outs.append([o["output_ids"] for o in engine.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    with open(os.path.join(tiny_model_factory(ARCH, **CASE), "config.json")) as f:
+        assert json.load(f)["norm_topk_prob"]  # llama.cpp's qwen3moe always renormalizes
+
+
+def test_ranks_load_their_experts_from_the_file(tiny_gguf_factory, monkeypatch):
+    """--tp-size 2 --ep-size 2 on a Q8_0 file: each rank dequantizes and keeps its 4 experts
+    of each stacked tensor, and the ranks generate what one process does."""
+    monkeypatch.setenv("ENGINE_PARALLEL_CHECK", "1")
+    path = tiny_gguf_factory(ARCH, "Q8_0", **CASE)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for parallel in ({}, {"tp_size": 2, "ep_size": 2}):
+        engine = Engine(path, max_total_tokens=512, grammar_backend="none",
+                        attention_backend="torch_native", dist_timeout=60, **parallel)
+        try:
+            outs.append([o["output_ids"] for o in engine.generate(["Hello there", "abc"],
+                                                                  params)])
+            if parallel:
+                assert engine.runner.info()["experts_per_rank"] == 4
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
