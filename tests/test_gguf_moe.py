@@ -1,9 +1,10 @@
-"""Qwen3-MoE GGUF files (llama.cpp's "qwen3moe": the router as ffn_gate_inp, each projection
-of a layer's experts stacked in one ffn_*_exps tensor, top-k weights renormalized), written
-from tiny random HF checkpoints as llama.cpp's converter writes them, with a dense layer among
-the sparse ones. F32: the HF model they came from, logits and greedy tokens; quantized: an HF
-model holding the file's weights as gguf-py dequantizes them (transformers' own GGUF loader
-reads neither the expert sizes nor a dense layer of this architecture)."""
+"""Mixture-of-experts GGUF files: Qwen3-MoE (llama.cpp's "qwen3moe", with a dense layer among
+the sparse ones, top-k weights renormalized) and Mixtral (a "llama" file with experts: q/k rows
+permuted, no sliding window): the router as ffn_gate_inp, each projection of a layer's experts
+stacked in one ffn_*_exps tensor, written from tiny random HF checkpoints as llama.cpp's
+converters write them. F32: the HF model they came from, logits and greedy tokens; quantized:
+an HF model holding the file's weights as gguf-py dequantizes them (transformers' own GGUF
+loader reads neither the expert sizes nor a dense layer of Qwen3-MoE, nor Mixtral files)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,24 @@ from engine import Engine
 from engine.runner import ModelRunner
 from engine_testing.checkpoints import MOE_CASES
 from engine_testing.generation import greedy_generate
-from engine_testing.gguf_writer import EXPERT_STACKS, GLOBAL, PER_LAYER
+from engine_testing.gguf_writer import GLOBAL, PER_LAYER
 from engine_testing.logits import compare_prompt_logits
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 ARCH, CASE = MOE_CASES["qwen3_moe_mlp_only"]  # 8 experts, top-3, renormalized; layer 1 dense
-# sizes every block divides (K-quants: 256)
-WIDE = {**CASE, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256}
+MIXTRAL = ("MixtralForCausalLM", {**MOE_CASES["mixtral_window"][1], "sliding_window": None})
+# each family: (architecture, config, sizes every block divides (K-quants: 256), the HF names
+# of its router and experts, llama.cpp's stacked tensor -> HF projection, q/k rows permuted)
+FAMILIES = {
+    "qwen3moe": (ARCH, CASE, {**CASE, "hidden_size": 256, "intermediate_size": 512,
+                              "moe_intermediate_size": 256}, "mlp.gate", "mlp.experts",
+                 {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                  "ffn_down_exps": "down_proj"}, False),
+    "mixtral": (*MIXTRAL, {**MIXTRAL[1], "hidden_size": 256, "intermediate_size": 256},
+                "block_sparse_moe.gate", "block_sparse_moe.experts",
+                {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}, True),
+}
 LOGIT_TOL = 1e-4  # max |ours - reference| <= LOGIT_TOL * max(1, max |reference|)
 PROMPTS = [[1, 17, 94, 301, 5, 77, 12], [3, 250, 251, 9], [44] * 5 + [45, 46]]
 
@@ -46,15 +57,19 @@ def runner_for(path, registries, device) -> ModelRunner:
     return runner
 
 
-def dequantized_copy(hf_dir: str, gguf_path: str, out_dir: str) -> str:
+def dequantized_copy(hf_dir: str, gguf_path: str, out_dir: str, family: str) -> str:
     """``hf_dir`` with its weights replaced by the GGUF's, dequantized by gguf-py and renamed
-    back to HF's names here (independently of the engine's reader)."""
+    back to HF's names here (independently of the engine's reader), q/k rows unpermuted."""
     import gguf
     from safetensors.numpy import save_file
 
+    _, _, _, router, experts, stacks, permuted = FAMILIES[family]
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
     back = {v: k for k, v in GLOBAL.items()}
-    layer_back = {v: k for k, v in PER_LAYER.items()}
-    stacks = {v: k for k, v in EXPERT_STACKS.items()}
+    layer_back = {v: k for k, v in PER_LAYER.items() if not k.endswith(".gate")}
+    layer_back["ffn_gate_inp"] = router
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
     for t in gguf.GGUFReader(gguf_path).tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
@@ -66,9 +81,13 @@ def dequantized_copy(hf_dir: str, gguf_path: str, out_dir: str) -> str:
         _, layer, piece = stem.split(".")
         if piece in stacks:
             for e in range(arr.shape[0]):
-                weights[f"model.layers.{layer}.mlp.experts.{e}.{stacks[piece]}.{suffix}"] = \
+                weights[f"model.layers.{layer}.{experts}.{e}.{stacks[piece]}.{suffix}"] = \
                     np.ascontiguousarray(arr[e])
         else:
+            if permuted and piece in heads:  # (pair, half) -> (half, pair) within each head
+                h = heads[piece]
+                arr = np.ascontiguousarray(arr.reshape(h, -1, 2, *arr.shape[1:]).swapaxes(1, 2)
+                                           .reshape(arr.shape))
             weights[f"model.layers.{layer}.{layer_back[piece]}.{suffix}"] = arr
     shutil.copytree(hf_dir, out_dir)
     os.remove(os.path.join(out_dir, "model.safetensors"))
@@ -94,33 +113,39 @@ def test_the_file_is_written_as_llama_cpp_writes_it(tiny_gguf_factory):
     assert "blk.1.ffn_gate.weight" in {t.name for t in r.tensors}  # the dense layer
 
 
-def test_f32_file_matches_the_hf_model_it_came_from(tiny_model_factory, tiny_gguf_factory,
-                                                    registries, cpu_device):
-    runner = runner_for(tiny_gguf_factory(ARCH, "F32", **CASE), registries, cpu_device)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_f32_file_matches_the_hf_model_it_came_from(family, tiny_model_factory,
+                                                    tiny_gguf_factory, registries, cpu_device):
+    arch, case = FAMILIES[family][:2]
+    runner = runner_for(tiny_gguf_factory(arch, "F32", **case), registries, cpu_device)
     config = runner.model_config
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == \
-        (ARCH, 8, 3)
-    assert config.norm_topk_prob and config.mlp_only_layers == (1,)
-    hf = hf_model(tiny_model_factory(ARCH, **CASE))
+        (arch, 8, case["num_experts_per_tok"])
+    assert config.norm_topk_prob
+    assert config.mlp_only_layers == ((1,) if family == "qwen3moe" else ())
+    hf = hf_model(tiny_model_factory(arch, **case))
     compare_prompt_logits(runner, hf, PROMPTS, LOGIT_TOL)
     for p, out in zip(PROMPTS, greedy_generate(runner, PROMPTS, 16)):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)
         assert out == ref[0, len(p):].tolist()
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
-def test_quantized_file_matches_its_dequantized_weights(qtype, tiny_model_factory,
+@pytest.mark.parametrize("family,qtype", [("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_1"),
+                                          ("qwen3moe", "Q4_K"), ("mixtral", "Q4_0"),
+                                          ("mixtral", "Q6_K")])
+def test_quantized_file_matches_its_dequantized_weights(family, qtype, tiny_model_factory,
                                                         tiny_gguf_factory, registries,
                                                         cpu_device, tmp_path):
-    path = tiny_gguf_factory(ARCH, qtype, **WIDE)
+    arch, _, wide = FAMILIES[family][:3]
+    path = tiny_gguf_factory(arch, qtype, **wide)
     import gguf
 
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors
              if t.name.endswith("_exps.weight")}
     assert types == {qtype}  # the experts really are stored in that type
     runner = runner_for(path, registries, cpu_device)
-    hf = hf_model(dequantized_copy(tiny_model_factory(ARCH, **WIDE), path,
-                                   str(tmp_path / "dequantized")))
+    hf = hf_model(dequantized_copy(tiny_model_factory(arch, **wide), path,
+                                   str(tmp_path / "dequantized"), family))
     compare_prompt_logits(runner, hf, PROMPTS, LOGIT_TOL)
 
 

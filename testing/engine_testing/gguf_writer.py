@@ -23,13 +23,16 @@ PER_LAYER = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
 }
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+        "MixtralForCausalLM": "llama"}
 # a sparse layer's experts: each projection of every expert stacked in one
-# [experts, out, in] tensor (llama.cpp's *_exps)
+# [experts, out, in] tensor (llama.cpp's *_exps); Qwen3-MoE's names, then Mixtral's
 EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
-                 "down_proj": "ffn_down_exps"}
+                 "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                 "w2": "ffn_down_exps"}
 # K-quants have no quantizer in the gguf package: their blocks are filled with random bits and
 # these float16 scale fields (byte offsets in a block) set small, so the weights stay tame
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
@@ -53,6 +56,8 @@ def stack_experts(tensors: dict) -> dict:
     out, stacks = {}, {}
     for name, arr in tensors.items():
         head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            head, sep, tail = name.partition(".block_sparse_moe.experts.")
         if not sep:
             out[name] = arr
             continue
@@ -143,10 +148,11 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
         w.add_rope_scaling_factor(params["factor"])
     w.add_vocab_size(hf["vocab_size"])
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5: the latter
-    if experts:  # Qwen3-MoE, as llama.cpp's Qwen2MoeModel converter writes it
+    if experts:  # as llama.cpp's converters write Qwen3-MoE (Qwen2MoeModel) and Mixtral (llama)
         w.add_expert_count(experts)
         w.add_expert_used_count(hf["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+        if "moe_intermediate_size" in hf:  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     if tokenizer:
         _add_tokenizer(w, hf_dir)
 

@@ -9,7 +9,7 @@ Every error names the file and the tensor or metadata key it is about."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -24,12 +24,26 @@ LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router
+    "ffn_down": "mlp.down_proj",
 }
-# a sparse layer's experts, each projection stacked in one [experts, out, in] tensor: loaded as
-# HF's per-expert tensors (model.layers.L.mlp.experts.E.P.weight)
-EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}
+
+
+class MoENames(NamedTuple):
+    """Where a sparse layer's GGUF tensors go in HF's names: the router (ffn_gate_inp) and the
+    experts, each projection of which the file stacks in one [experts, out, in] tensor
+    (ffn_*_exps), loaded as HF's per-expert tensors."""
+
+    router: str
+    experts: str
+    projections: dict  # llama.cpp's stacked tensor -> HF's projection
+
+
+MOE_NAMES = {  # general.architecture -> its experts' names (a "llama" file with experts: Mixtral)
+    "qwen3moe": MoENames("mlp.gate", "mlp.experts", {
+        "ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
+    "llama": MoENames("block_sparse_moe.gate", "block_sparse_moe.experts", {
+        "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+}
 # GGUF block types a registered linear kernel may run as they are (weight_dtype names)
 BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency rope factors: config, not a weight
@@ -41,8 +55,9 @@ class GGUFError(EngineError):
     pass
 
 
-def hf_name(name: str) -> str | None:
-    """llama.cpp's tensor name -> ours (HF's), or None when it has no counterpart."""
+def hf_name(name: str, moe: MoENames | None = None) -> str | None:
+    """llama.cpp's tensor name -> ours (HF's), or None when it has no counterpart (``moe``:
+    the architecture's expert names, for its router)."""
     stem, dot, suffix = name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
@@ -51,20 +66,19 @@ def hf_name(name: str) -> str | None:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if moe is not None and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] == "ffn_gate_inp":
+        return f"model.layers.{parts[1]}.{moe.router}.{suffix}"
     return None
 
 
-def expert_stack(name: str) -> tuple[int, str] | None:
+def expert_stack(name: str, moe: MoENames | None) -> tuple[int, str] | None:
     """(layer, HF projection) of llama.cpp's stacked expert tensor ``name``, else None."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
-            parts[2] in EXPERT_STACKS and parts[3] == "weight":
-        return int(parts[1]), EXPERT_STACKS[parts[2]]
+    if moe is not None and len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] in moe.projections and parts[3] == "weight":
+        return int(parts[1]), moe.projections[parts[2]]
     return None
-
-
-def expert_name(layer: int, expert: int, proj: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 
 
 def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -156,6 +170,8 @@ class GGUFFile:
                 f"truncated or damaged ({os.path.getsize(path)} bytes).") from None
         self.tensor_infos = {t.name: t for t in self.reader.tensors}
         self.arch = self.get("general.architecture")
+        # the experts' names where the file has experts (a dense "llama" file: None)
+        self.moe = MOE_NAMES.get(self.arch) if self.has(f"{self.arch}.expert_count") else None
         self._check_types()
 
     # -- metadata --------------------------------------------------------------------------
@@ -176,7 +192,8 @@ class GGUFFile:
         for t in self.reader.tensors:
             if t.tensor_type not in checked:
                 checked[t.tensor_type] = can_dequantize(t.tensor_type)
-            loaded = hf_name(t.name) is not None or expert_stack(t.name) is not None
+            loaded = hf_name(t.name, self.moe) is not None or \
+                expert_stack(t.name, self.moe) is not None
             if not checked[t.tensor_type] and loaded:
                 gguf = gguf_package()
                 ok = [q.name for q in gguf.GGMLQuantizationType if can_dequantize(q)]
@@ -238,7 +255,8 @@ class GGUFFile:
 
     def _infos_by_hf_name(self) -> dict:
         if not hasattr(self, "_by_hf"):
-            self._by_hf = {hf_name(n): t for n, t in self.tensor_infos.items() if hf_name(n)}
+            self._by_hf = {hf_name(n, self.moe): t for n, t in self.tensor_infos.items()
+                           if hf_name(n, self.moe)}
         return self._by_hf
 
     def label(self, name: str) -> str:
@@ -255,11 +273,11 @@ class GGUFFile:
         for info in self.reader.tensors:
             if info.name == ROPE_FREQS:
                 continue  # read into the config's rope_scaling
-            stack = expert_stack(info.name)
+            stack = expert_stack(info.name, self.moe)
             if stack is not None:  # one tensor per expert, as HF checkpoints hold them
                 yield from self._experts(info, *stack, dtype, keep)
                 continue
-            name = hf_name(info.name) or info.name
+            name = hf_name(info.name, self.moe) or info.name
             if keep is not None and not keep(name):
                 continue
             tensor = self._unpermuted(name, torch.from_numpy(self.array(info)), hf)
@@ -269,7 +287,8 @@ class GGUFFile:
                  ) -> Iterator[tuple[str, torch.Tensor]]:
         """The stacked tensor ``info`` as its experts' weights (only those ``keep`` accepts;
         none of them: not dequantized)."""
-        names = [expert_name(layer, e, proj) for e in range(int(info.shape[-1]))]
+        names = [f"model.layers.{layer}.{self.moe.experts}.{e}.{proj}.weight"
+                 for e in range(int(info.shape[-1]))]
         wanted = [(e, n) for e, n in enumerate(names) if keep is None or keep(n)]
         if not wanted:
             return

@@ -14,6 +14,8 @@ from engine.models.gguf import MISSING, ROPE_FREQS, GGUFError, GGUFFile, gguf_pa
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+# a "llama" file with experts is a Mixtral (llama.cpp converts MixtralForCausalLM as "llama")
+MIXTRAL = "MixtralForCausalLM"
 
 
 def checkpoint_dtype(f: GGUFFile) -> str:
@@ -36,7 +38,7 @@ def hf_config(f: GGUFFile) -> dict:
         raise GGUFError(
             f"Unsupported GGUF architecture '{arch}' (general.architecture in "
             f"'{f.path}'). Supported: {', '.join(ARCHITECTURES)} (the Llama family: "
-            f"Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).")
+            f"Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE).")
     p = f"{arch}."
     hidden = int(f.get(p + "embedding_length"))
     heads = _uniform(f, p + "attention.head_count")
@@ -52,9 +54,10 @@ def hf_config(f: GGUFFile) -> dict:
         if embed is None:
             raise GGUFError(f"'{f.path}' has neither {p}vocab_size nor token_embd.weight.")
         vocab = int(embed.shape[-1])
+    mixtral = arch == "llama" and f.has(p + "expert_count")
     hf: dict = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": MODEL_TYPES.get(arch, arch),
+        "architectures": [MIXTRAL if mixtral else ARCHITECTURES[arch]],
+        "model_type": "mixtral" if mixtral else MODEL_TYPES.get(arch, arch),
         "hidden_act": "silu",
         "hidden_size": hidden,
         # a MoE file with no dense layer may leave it out: its experts' size stands in
@@ -77,7 +80,7 @@ def hf_config(f: GGUFFile) -> dict:
                           "general.name": f.get("general.name", None)},
     }
     if f.has(p + "expert_count"):
-        hf.update(_experts(f, p, hf["num_hidden_layers"]))
+        hf.update(_experts(f, p, hf["num_hidden_layers"], mixtral))
     rope = _rope_scaling(f, p, head_dim)
     if rope is not None:
         hf["rope_scaling"] = rope
@@ -91,13 +94,19 @@ def hf_config(f: GGUFFile) -> dict:
     return hf
 
 
-def _experts(f: GGUFFile, p: str, layers: int) -> dict:
-    """A mixture of experts' config (Qwen3-MoE as llama.cpp converts and runs it: the top-k
-    weights always renormalized; a layer is sparse where the file stacks its experts)."""
+def _experts(f: GGUFFile, p: str, layers: int, mixtral: bool) -> dict:
+    """A mixture of experts' config, as llama.cpp converts and runs it: Mixtral (every layer
+    sparse, experts of feed_forward_length), Qwen3-MoE (the top-k weights always renormalized;
+    a layer is sparse where the file stacks its experts)."""
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in f.tensor_infos]
-    if len(dense) == layers:
-        raise GGUFError(f"'{f.path}': {p}expert_count is set but no layer has expert tensors "
-                        f"(blk.N.ffn_gate_exps.weight).")
+    if len(dense) == layers or (mixtral and dense):
+        raise GGUFError(f"'{f.path}': {p}expert_count is set but layer {dense[0]} has no "
+                        f"expert tensors (blk.{dense[0]}.ffn_gate_exps.weight)"
+                        f"{': a Mixtral file has them in every layer' if mixtral else ''}.")
+    if mixtral:
+        return {"num_local_experts": int(f.get(p + "expert_count")),
+                "num_experts_per_tok": int(f.get(p + "expert_used_count")),
+                "sliding_window": None}
     return {"num_experts": int(f.get(p + "expert_count")),
             "num_experts_per_tok": int(f.get(p + "expert_used_count")),
             "moe_intermediate_size": int(f.get(p + "expert_feed_forward_length")),
