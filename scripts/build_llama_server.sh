@@ -18,6 +18,10 @@
 #   JOBS                      parallel compile jobs                  [2]
 #   PYTHON                    python whose pip downloads the sdist   [.venv/bin/python, python3]
 #   KEEP_BUILD=1              keep the build folder after installing
+#   LLAMA_ISA=avx2            build for AVX2 + FMA + F16C only (no AVX-512), whatever this CPU
+#                             has: llama.cpp as it runs on an AVX2-only EPYC, to compare the
+#                             engine's AVX2 kernels (ENGINE_CPU_ISA=avx2) with; its own folder
+#                             (<version>-avx2)
 #
 # Needs: cmake >= 3.14 (else `pip install cmake` into the venv is tried), a C and a C++ compiler
 # (gcc/g++ or clang/clang++). Compiles under `nice -n 19`. Takes ~15-20 min on 2 cores.
@@ -38,7 +42,16 @@ else
     CPU_FLAGS="$(uname -m) $(uname -s)"   # no /proc/cpuinfo (macOS, ...): per architecture
 fi
 CPU_HASH="$(printf '%s' "$CPU_FLAGS" | sha256sum | cut -c1-12)"
-DEST_DIR="$CACHE/$VERSION-$CPU_HASH"
+ISA="${LLAMA_ISA:-native}"
+case "$ISA" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON); TAG="$CPU_HASH" ;;
+    avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+                     -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF)
+          TAG="avx2" ;;
+    *) die "LLAMA_ISA=$ISA: expected native or avx2" ;;
+esac
+DEST_DIR="$CACHE/$VERSION-$TAG"
 DEST="$DEST_DIR/llama-server"
 
 case "${1:-}" in
@@ -121,7 +134,7 @@ LLAMA_SRC="$SRC/vendor/llama.cpp"
 
 # --- build -----------------------------------------------------------------------------------
 # Kept in the cache (not /tmp) so an interrupted build resumes where it stopped.
-BUILD="$CACHE/build-$VERSION-$CPU_HASH"
+BUILD="$CACHE/build-$VERSION-$TAG"
 START=$(date +%s)
 # LLAMA_CURL: pre-0.4 llama.cpp downloads models with libcurl (deprecated and ignored later);
 # LLAMA_OPENSSL: newer llama.cpp's HTTPS client; LLAMA_USE_PREBUILT_UI: newer llama.cpp
@@ -130,7 +143,7 @@ START=$(date +%s)
 nice -n 19 "$CMAKE" -S "$LLAMA_SRC" -B "$BUILD" "${GEN[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_C_COMPILER="$CC_BIN" -DCMAKE_CXX_COMPILER="$CXX_BIN" \
-    -DGGML_NATIVE=ON \
+    "${ISA_FLAGS[@]}" \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
