@@ -578,6 +578,9 @@ static void mk_scalar_q4(int fmt, const int8_t *xq, int64_t ldx, const float *dx
 
 #define MR_AVX2 2        /* rows per micro-kernel converting half weights on the fly */
 #define MR_AVX2_F32 3    /* rows per micro-kernel on a float32 tile */
+#ifndef AVX2_KC
+#define AVX2_KC 16       /* k per float32 chunk of a half tile (2 KiB, L1; 8-64 measured) */
+#endif
 
 T_AVX2 INLINE __m256 ld8_avx2(const void *p, const int fmt) {
     if (fmt == -1) return _mm256_loadu_ps((const float *)p);
@@ -587,14 +590,16 @@ T_AVX2 INLINE __m256 ld8_avx2(const void *p, const int fmt) {
 }
 
 /* fmt -1: a float32 tile [K][32]; else a half tile [K][32] converted on the fly */
-T_AVX2 INLINE void mk_avx2_impl(const float *x, int64_t ldx, const void *wt, int64_t K,
-                                float *c, const int MR, const int fmt, const char *pf) {
+T_AVX2 INLINE void mk_avx2_acc(const float *x, int64_t ldx, const void *wt, int64_t K,
+                               float *c, const int MR, const int fmt, const char *pf,
+                               const int acc) {
     __m256 a[3][4];
     const int es = fmt == -1 ? 4 : 2;
 #pragma GCC unroll 3
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++)
+            a[i][j] = acc ? _mm256_loadu_ps(c + i * NR + j * 8) : _mm256_setzero_ps();
     const char *w = (const char *)wt;
     for (int64_t k = 0; k < K; k++) {
         PF(pf + k * NR * 2);
@@ -613,6 +618,26 @@ T_AVX2 INLINE void mk_avx2_impl(const float *x, int64_t ldx, const void *wt, int
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(c + i * NR + j * 8, a[i][j]);
+}
+
+/* acc 0: c = x . w over K; acc 1: c += it (a chunk of K after the first) */
+T_AVX2 INLINE void mk_avx2_impl(const float *x, int64_t ldx, const void *wt, int64_t K,
+                                float *c, const int MR, const int fmt, const char *pf) {
+    mk_avx2_acc(x, ldx, wt, K, c, MR, fmt, pf, 0);
+}
+
+/* a float32 tile chunk [K][32] into (acc 0) or onto (acc 1) c's mr rows */
+T_AVX2 static void mk_avx2_f32_acc(const float *x, int64_t ldx, const float *wt, int64_t K,
+                                   float *c, int mr, int acc) {
+    if (acc) {
+        if (mr == 1) mk_avx2_acc(x, ldx, wt, K, c, 1, -1, NULL, 1);
+        else if (mr == 2) mk_avx2_acc(x, ldx, wt, K, c, 2, -1, NULL, 1);
+        else mk_avx2_acc(x, ldx, wt, K, c, 3, -1, NULL, 1);
+    } else {
+        if (mr == 1) mk_avx2_acc(x, ldx, wt, K, c, 1, -1, NULL, 0);
+        else if (mr == 2) mk_avx2_acc(x, ldx, wt, K, c, 2, -1, NULL, 0);
+        else mk_avx2_acc(x, ldx, wt, K, c, 3, -1, NULL, 0);
+    }
 }
 
 T_AVX2 static void mk_avx2_half(int fmt, const float *x, int64_t ldx, const void *wt, int64_t K,
@@ -1585,6 +1610,24 @@ static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t row
             for (int64_t i = 0; i < rows; i += MR_AVX2)
                 mk_avx2_half(fmt, x + i * j->ldx, j->ldx, wt, K, c + i * NR,
                              rows - i < MR_AVX2 ? (int)(rows - i) : MR_AVX2, i == 0 ? next : NULL);
+        }
+        return EK_OK;
+    }
+    if (isa == ISA_AVX2) {
+        /* K in chunks whose float32 conversion stays in L1, every row's passes over a chunk
+         * before the next (the 3-row passes over a whole converted tile read it from L2
+         * six times at 16 rows); the next tile prefetched while converting */
+        float *chunk = scratch(&tl_tile, (size_t)(AVX2_KC * NR) * 4);
+        if (!chunk) return EK_NO_MEMORY;
+        for (int64_t k0 = 0; k0 < K; k0 += AVX2_KC) {
+            int64_t kc = K - k0 < AVX2_KC ? K - k0 : AVX2_KC;
+            tile_to_f32_avx2(fmt, (const uint16_t *)wt + k0 * NR, kc, chunk,
+                             next ? next + k0 * NR * 2 : NULL);
+            for (int64_t i = 0; i < rows;) {
+                int mr = rows - i < MR_AVX2_F32 ? (int)(rows - i) : MR_AVX2_F32;
+                mk_avx2_f32_acc(x + i * j->ldx + k0, j->ldx, chunk, kc, c + i * NR, mr, k0 > 0);
+                i += mr;
+            }
         }
         return EK_OK;
     }
