@@ -210,15 +210,23 @@ class GGUFFile:
         return self.get(TOKENIZER_KEY)
 
     # -- tensors ---------------------------------------------------------------------------
-    def array(self, info) -> np.ndarray:
-        """The tensor dequantized to float32, in numpy's (row-major, HF) shape."""
+    def array(self, info, expert: int | None = None) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy's (row-major, HF) shape (``expert``: only
+        that expert's [rows, columns] of a stacked [experts, rows, columns] tensor, so that a
+        large model's stack is never dequantized whole)."""
         gguf = gguf_package()
+        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        data = info.data
+        if expert is not None:
+            if len(shape) != 3 or data.ndim != 3:
+                raise GGUFError(f"'{self.path}': tensor '{info.name}' has shape {list(shape)}; "
+                                f"stacked experts are [experts, rows, columns]")
+            data, shape = data[expert], shape[1:]
         try:
-            arr = gguf.quants.dequantize(info.data, info.tensor_type)
+            arr = gguf.quants.dequantize(data, info.tensor_type)
         except Exception as e:  # noqa: BLE001
             raise GGUFError(f"'{self.path}': tensor '{info.name}' ({info.tensor_type.name}) could "
                             f"not be dequantized: {e}") from None
-        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
         arr = arr.reshape(shape)
         return arr if arr.flags.writeable and arr.dtype == np.float32 else \
             np.array(arr, dtype=np.float32)
@@ -285,17 +293,10 @@ class GGUFFile:
 
     def _experts(self, info, layer: int, proj: str, dtype: torch.dtype, keep
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stacked tensor ``info`` as its experts' weights (only those ``keep`` accepts;
-        none of them: not dequantized)."""
+        """The stacked tensor ``info`` as its experts' weights, each dequantized on its own
+        (only those ``keep`` accepts)."""
         names = [f"model.layers.{layer}.{self.moe.experts}.{e}.{proj}.weight"
                  for e in range(int(info.shape[-1]))]
-        wanted = [(e, n) for e, n in enumerate(names) if keep is None or keep(n)]
-        if not wanted:
-            return
-        stacked = self.array(info)
-        if stacked.ndim != 3:
-            raise GGUFError(f"'{self.path}': tensor '{info.name}' has shape "
-                            f"{list(stacked.shape)}; stacked experts are [experts, rows, "
-                            f"columns]")
-        for e, name in wanted:
-            yield name, torch.from_numpy(stacked[e]).to(dtype).contiguous()
+        for e, name in enumerate(names):
+            if keep is None or keep(name):
+                yield name, torch.from_numpy(self.array(info, e)).to(dtype).contiguous()
