@@ -1517,6 +1517,26 @@ static int run_tile_wo(const job_t *j, const char *wt, const char *next, int64_t
         }
         return EK_OK;
     }
+    if (isa == ISA_AVX2) {
+        /* a block (32 k) at a time, dequantized into L1, every row's pass over it before the
+         * next (as the half weights: the whole dequantized tile read from L2 once per 3 rows
+         * cost more); the next tile's block prefetched */
+        const int64_t tb = fmt == FMT_Q8_0 ? Q8_TILE_BLOCK : q4_tile_block(fmt);
+        const char *pf = next;
+        float *chunk = scratch(&tl_tile, (size_t)(QK * NR) * 4);
+        if (!chunk) return EK_NO_MEMORY;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t o = 0; o < tb; o += 64) PF(pf + b * tb + o);
+            wo_tile_avx2(fmt, w + b * tb, 1, chunk);
+            for (int64_t i = 0; i < rows;) {
+                int mr = rows - i < MR_AVX2_F32 ? (int)(rows - i) : MR_AVX2_F32;
+                mk_avx2_f32_acc(x + i * j->ldx + b * QK, j->ldx, chunk, QK, c + i * NR, mr,
+                                b > 0);
+                i += mr;
+            }
+        }
+        return EK_OK;
+    }
     float *tile = scratch(&tl_tile, (size_t)(K * NR) * 4);
     if (!tile) return EK_NO_MEMORY;
     if (isa == ISA_SCALAR) {
