@@ -6,8 +6,8 @@ and takes float32, with and without CUDA graphs. bfloat16 (backends that take it
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
 Then, float32 without graphs: a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA) on every backend that
 takes them (on CUDA their MoE layers must run the fused Triton kernel: each case records the
-start log's MoE line as ``moe_path``), and the Llama with speculative decoding (NGRAM, every draft verified) on each
-backend, graphs on: their tokens must equal HF's too.
+start log's MoE line as ``moe_path``), and the Llama with speculative decoding (NGRAM, every
+draft verified) on each backend, graphs on: their tokens must equal HF's too.
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
 
@@ -25,6 +25,43 @@ import time
 import traceback
 
 TEXTS = ["Beautiful is better than ugly.", "Simple is better", "In the face of ambiguity,"]
+
+
+def hf_greedy(path: str, prompts: list, dtype: str, args) -> list[list[int]]:
+    """HF transformers' greedy continuations of ``prompts`` (the reference)."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation="eager").eval().to(args.device)
+    out = [hf.generate(torch.tensor([p], device=args.device), max_new_tokens=args.new_tokens,
+                       do_sample=False, pad_token_id=2)[0, len(p):].tolist() for p in prompts]
+    del hf
+    return out
+
+
+def matching(ids: list, ref: list) -> str:
+    """"same/total": the tokens equal to the reference's, position by position."""
+    same = sum(a == b for o, r in zip(ids, ref) for a, b in zip(o, r))
+    return f"{same}/{sum(len(r) for r in ref)}"
+
+
+def record_failure(case: dict, exc: Exception) -> None:
+    """``case`` failed with ``exc`` (one case's failure must not hide the others')."""
+    case["status"] = "fail"
+    case["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    traceback.print_exc()
+
+
+def closed(case: dict, t0: float, device) -> dict:
+    """``case`` with its seconds, printed (one JSON line); the GPU's cache emptied for the next."""
+    import torch
+
+    case["seconds"] = round(time.perf_counter() - t0, 1)
+    if device.is_cuda:
+        torch.cuda.empty_cache()
+    print(json.dumps(case), flush=True)
+    return case
 
 
 def main() -> int:
@@ -59,14 +96,7 @@ def main() -> int:
                            initializer_range=0.08)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompts = [tok(t).input_ids for t in TEXTS]
-    refs = {}
-    for dtype in ("float32", "bfloat16"):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), attn_implementation="eager").eval().to(args.device)
-        refs[dtype] = [hf.generate(torch.tensor([p], device=args.device),
-                                   max_new_tokens=args.new_tokens, do_sample=False,
-                                   pad_token_id=2)[0, len(p):].tolist() for p in prompts]
-        del hf
+    refs = {dtype: hf_greedy(path, prompts, dtype, args) for dtype in ("float32", "bfloat16")}
     device = detect_device(args.device)
     regs = get_registries()
     graph_modes = (False, True) if device.is_cuda else (False,)
@@ -101,8 +131,7 @@ def main() -> int:
                     case["replays"] = getattr(graphs_run, "replays", 0)
                     if graphs and graphs_run is None:
                         case["graphs_note"] = str(engine.cuda_graph)
-                    same = sum(a == b for o, r in zip(ids, refs[dtype]) for a, b in zip(o, r))
-                    case["matching_tokens"] = f"{same}/{sum(len(r) for r in refs[dtype])}"
+                    case["matching_tokens"] = matching(ids, refs[dtype])
                     exact = ids == refs[dtype]
                     if dtype == "float32":
                         case["status"] = "pass" if exact else "fail"
@@ -111,15 +140,9 @@ def main() -> int:
                     if not exact:
                         case["ours"], case["hf"] = ids, refs[dtype]
                     del engine
-                except Exception as exc:  # one backend's failure must not hide the others'
-                    case["status"] = "fail"
-                    case["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                    traceback.print_exc()
-                case["seconds"] = round(time.perf_counter() - t0, 1)
-                if device.is_cuda:
-                    torch.cuda.empty_cache()
-                print(json.dumps(case), flush=True)
-                result["cases"].append(case)
+                except Exception as exc:  # noqa: BLE001 - recorded, the next backend runs
+                    record_failure(case, exc)
+                result["cases"].append(closed(case, t0, device))
     result["cases"] += model_cases(args, device, regs, wanted, prompts, path)
     ran = [c for c in result["cases"] if c["status"] in ("pass", "fail", "info")]
     failed = [c for c in ran if c["status"] == "fail"]
@@ -140,27 +163,17 @@ def main() -> int:
 
 def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
     """The MoE and MLA families against HF, and NGRAM speculation against HF, per backend."""
-    import torch
-    import transformers
-
     from engine import Engine
     from engine.registry import takes_dtype, takes_model
     from engine_testing.checkpoints import DEEPSEEK_CASES, MOE_CASES, make_tiny_model
 
-    def hf_refs(path, inputs):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager").eval().to(args.device)
-        out = [hf.generate(torch.tensor([p], device=args.device), max_new_tokens=args.new_tokens,
-                           do_sample=False, pad_token_id=2)[0, len(p):].tolist() for p in inputs]
-        del hf
-        return out
-
     repeated = [p * 3 for p in prompts]  # something for n-gram lookup to draft from
-    models = {"llama+NGRAM": (llama_path, repeated, hf_refs(llama_path, repeated))}
+    models = {"llama+NGRAM": (llama_path, repeated,
+                              hf_greedy(llama_path, repeated, "float32", args))}
     for arch, overrides in (MOE_CASES["qwen3_moe_mlp_only"], DEEPSEEK_CASES["v3_noaux_tc"]):
         path = make_tiny_model(tempfile.mkdtemp(prefix="gpu-greedy-"), arch,
                                initializer_range=0.08, **overrides)
-        models[arch] = (path, prompts, hf_refs(path, prompts))
+        models[arch] = (path, prompts, hf_greedy(path, prompts, "float32", args))
     cases = []
     for name, (path, inputs, ref) in models.items():
         for entry in regs.attention:
@@ -184,8 +197,7 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
                 outs = engine.generate(input_ids=inputs, sampling_params={
                     "max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True})
                 ids = [o["output_ids"] for o in outs]
-                same = sum(a == b for o, r in zip(ids, ref) for a, b in zip(o, r))
-                case["matching_tokens"] = f"{same}/{sum(len(r) for r in ref)}"
+                case["matching_tokens"] = matching(ids, ref)
                 case["status"] = "pass" if ids == ref else "fail"
                 moe = engine.runner.moe_kernel  # the start log's MoE line ("" for the llama)
                 if moe:
@@ -196,17 +208,11 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
                 if spec:
                     case["accept_length"] = round(engine.scheduler.spec.stats.accept_length, 2)
                 del engine
-            except Exception as exc:  # one case's failure must not hide the others'
+            except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
                 if "has no multi-head latent attention" in str(exc):
                     continue  # a backend without MLA: refused, as it should be
-                case["status"] = "fail"
-                case["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                traceback.print_exc()
-            case["seconds"] = round(time.perf_counter() - t0, 1)
-            if device.is_cuda:
-                torch.cuda.empty_cache()
-            print(json.dumps(case), flush=True)
-            cases.append(case)
+                record_failure(case, exc)
+            cases.append(closed(case, t0, device))
     return cases
 
 
