@@ -61,9 +61,9 @@ def hf_config(f: GGUFFile) -> dict:
         "hidden_act": "silu",
         "hidden_size": hidden,
         # a MoE file with no dense layer may leave it out: its experts' size stands in
-        "intermediate_size": _uniform(f, p + "feed_forward_length",
-                                      f.get(p + "expert_feed_forward_length", MISSING)
-                                      if not f.has(p + "feed_forward_length") else MISSING),
+        "intermediate_size": _uniform(f, p + "feed_forward_length"
+                                      if f.has(p + "feed_forward_length")
+                                      else p + "expert_feed_forward_length"),
         "num_hidden_layers": int(f.get(p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -103,12 +103,11 @@ def _experts(f: GGUFFile, p: str, layers: int, mixtral: bool) -> dict:
         raise GGUFError(f"'{f.path}': {p}expert_count is set but layer {dense[0]} has no "
                         f"expert tensors (blk.{dense[0]}.ffn_gate_exps.weight)"
                         f"{': a Mixtral file has them in every layer' if mixtral else ''}.")
+    experts = int(f.get(p + "expert_count"))
+    top_k = {"num_experts_per_tok": int(f.get(p + "expert_used_count"))}
     if mixtral:
-        return {"num_local_experts": int(f.get(p + "expert_count")),
-                "num_experts_per_tok": int(f.get(p + "expert_used_count")),
-                "sliding_window": None}
-    return {"num_experts": int(f.get(p + "expert_count")),
-            "num_experts_per_tok": int(f.get(p + "expert_used_count")),
+        return {"num_local_experts": experts, **top_k, "sliding_window": None}
+    return {"num_experts": experts, **top_k,
             "moe_intermediate_size": int(f.get(p + "expert_feed_forward_length")),
             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
