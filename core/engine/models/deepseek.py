@@ -16,8 +16,9 @@ feed-forward block.
 With ``--pp-size`` a stage holds its layers (llama.py's stages), each dense or sparse by its
 index in the model.
 
-Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA graphs; the CPU graph; attention backends without MLA
-(``register_attention_backends(mla=True)``: torch_native, and triton on a CUDA GPU)."""
+Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA
+graphs; the CPU graph; attention backends without MLA (``register_attention_backends(mla=True)``:
+torch_native, and triton on a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -87,10 +88,9 @@ class DeepseekDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
-                     ep_size: int = 1) -> str | None:
-    """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks with ``--ep-size``
-    ``ep_size`` (None: it can)."""
+def parallel_problem(config: ModelConfig, tp_size: int, ep_size: int = 1) -> str | None:
+    """Why ``config`` cannot be split over ``tp_size`` tensor-parallel ranks with ``--ep-size``
+    ``ep_size`` (None: it can; pipeline stages split it by layers)."""
     if tp_size == 1:
         return None
     c, what = config, []

@@ -52,10 +52,10 @@ CUDA_GRAPH_REASON = ("MoE layers read their per-expert token counts on the host,
                      "captured graph cannot (the fused GPU MoE kernel is issue 31's later part)")
 
 
-def parallel_problem(config: ModelConfig, tp_size: int, pp_size: int,
-                     ep_size: int = 1) -> str | None:
-    """Why ``config`` cannot be served over ``tp_size`` x ``pp_size`` ranks with ``--ep-size``
-    ``ep_size`` as far as its experts go (None: it can; a dense model with ``ep_size`` 1)."""
+def parallel_problem(config: ModelConfig, tp_size: int, ep_size: int = 1) -> str | None:
+    """Why ``config`` cannot be split over ``tp_size`` tensor-parallel ranks with ``--ep-size``
+    ``ep_size`` as far as its experts go (None: it can; a dense model with ``ep_size`` 1).
+    Pipeline stages split any of them by layers."""
     if not config.num_experts:
         if ep_size > 1:
             return (f"--ep-size {ep_size} splits a mixture-of-experts model's experts, and "
@@ -101,7 +101,6 @@ class ExpertsForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
         problem = self.parallel_problem(config, 1 if tp is None else tp.size,
-                                        1 if pp is None else pp.size,
                                         1 if tp is None else getattr(tp, "ep_size", 1))
         if problem:
             raise EngineError(problem)

@@ -104,7 +104,7 @@ def check_model_splits(config, model_config) -> None:
     """Refuse, before any process starts, a model that does not split over the ranks."""
     mc = model_config
     problem = (deepseek if mc.mla is not None else moe).parallel_problem(
-        mc, config.tp_size, config.pp_size, config.ep_size)
+        mc, config.tp_size, config.ep_size)
     if problem:
         raise EngineError(problem)
     if config.tp_size > 1:
