@@ -67,7 +67,26 @@ class Copy:
         self._finish, self._keep = None, ()
 
 
-class ThreadCopier:
+class _Copier:
+    """What both copiers count: the tree's polls (``tick``, once per step) and the test
+    delay (``delay_steps``: a copy is done only that many polls after it started)."""
+
+    def __init__(self):
+        self.polls = 0
+        self.delay_steps = 0
+
+    def tick(self) -> None:
+        self.polls += 1
+
+
+def _snapshot(pool, device_slots: torch.Tensor) -> list[list[torch.Tensor]]:
+    """[K, V] per layer of the pool's ``device_slots``, gathered now on the current stream (a
+    backup copies this, so the slots may be freed and reused at once)."""
+    return [[b.index_select(0, device_slots) for b in bufs]
+            for bufs in (pool.k_buffer, pool.v_buffer)]
+
+
+class ThreadCopier(_Copier):
     kind = "background thread"
     # a load is waited for at admission: the step's own work already takes the CPU's cores,
     # so a copy beside it overlaps little, and a request admitted a step later costs a step
@@ -75,8 +94,7 @@ class ThreadCopier:
     waits_for_loads = True
 
     def __init__(self, inline: bool = True):
-        self.polls = 0
-        self.delay_steps = 0
+        super().__init__()
         # inline: each copy runs at once on the caller's thread (a CPU's step already keeps
         # its cores busy: a copy thread beside it only competes with it; measured, the thread
         # cost benchmarks/hicache.py 1.95x -> 1.6x of the radix cache alone); False: on the
@@ -92,9 +110,6 @@ class ThreadCopier:
         done.set_result(None)
         return done
 
-    def tick(self) -> None:
-        self.polls += 1
-
     def load(self, host, pool, host_slots, device_slots) -> Copy:
         """Host slots -> device slots."""
         h, d = host_slots.to(torch.int64), device_slots.to(torch.int64)
@@ -108,8 +123,8 @@ class ThreadCopier:
 
     def backup(self, host, pool, device_slots, host_slots) -> Copy:
         """Device slots -> host slots, from a snapshot taken now."""
-        d, h = device_slots.to(torch.int64), host_slots.to(torch.int64)
-        snap = [[b.index_select(0, d) for b in bufs] for bufs in (pool.k_buffer, pool.v_buffer)]
+        h = host_slots.to(torch.int64)
+        snap = _snapshot(pool, device_slots.to(torch.int64))
 
         def run():
             for src, dst in zip(snap, (host.k, host.v)):
@@ -122,18 +137,14 @@ class ThreadCopier:
         self._pool.shutdown(wait=True)
 
 
-class CudaCopier:
+class CudaCopier(_Copier):
     kind = "CUDA copy stream"
     waits_for_loads = False  # the copy stream runs beside the batch: the request waits
 
     def __init__(self, device):
+        super().__init__()
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self.polls = 0
-        self.delay_steps = 0
-
-    def tick(self) -> None:
-        self.polls += 1
 
     def _start(self, work) -> torch.cuda.Event:
         """``work()`` on the copy stream after what the current stream has queued; the event
@@ -169,9 +180,8 @@ class CudaCopier:
     def backup(self, host, pool, device_slots, host_slots) -> Copy:
         """The slots gathered on the current stream (the snapshot), copied into pinned staging
         on the copy stream; scattered into the host pool when done."""
-        d = device_slots.to(self.device, torch.int64)
         h = host_slots.to(torch.int64)
-        snap = [[b.index_select(0, d) for b in bufs] for bufs in (pool.k_buffer, pool.v_buffer)]
+        snap = _snapshot(pool, device_slots.to(self.device, torch.int64))
         staged = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in src]
                   for src in snap]
 
