@@ -54,6 +54,27 @@ class PooledDrafter(Drafter):
                 self.pool.free_slots_of(self.pool.host_table[st.row, :st.alloc])
             self.pool.free_req(st.row)
 
+    def _catch_up(self, live: list, ids: list, prefix: list) -> ForwardBatch:
+        """The batch feeding each ``live`` (index, state, k) request's row its ``ids`` after
+        its ``prefix`` positions (the drafter's first forward of a step)."""
+        table = self.pool.req_to_token
+        return ForwardBatch.build(ids, prefix, [st.row for _, st, _ in live], None, table,
+                                  device=table.device)
+
+    def _chain_step(self, live: list, drafts: list, lens: list, active: list) -> ForwardBatch:
+        """The batch of a chain's next token: each ``active`` row's last draft at position
+        ``lens`` (one per active row)."""
+        table = self.pool.req_to_token
+        return ForwardBatch.decode([drafts[j][-1] for j in active], lens,
+                                   [live[j][1].row for j in active], table, device=table.device)
+
+    @staticmethod
+    def _drafts(out: list, live: list, drafts: list) -> list[Draft]:
+        """``out`` with each ``live`` request's chain in its place."""
+        for (i, _, _), d in zip(live, drafts):
+            out[i] = Draft(d, 0)
+        return out
+
     def _room(self, st, upto: int) -> bool:
         """Slots for positions [0, upto) of the request's row."""
         if upto <= st.alloc:
@@ -122,25 +143,18 @@ class ModelDrafter(PooledDrafter):
             st.fed.extend(seq[keep:])
         if not live:
             return out
-        table = self.pool.req_to_token
-        rows = [st.row for _, st, _ in live]
         with torch.inference_mode():
-            batch = ForwardBatch.build(ids, prefix, rows, None, table, device=table.device)
-            tokens = self.runner.forward(batch).argmax(-1).tolist()
+            tokens = self.runner.forward(self._catch_up(live, ids, prefix)).argmax(-1).tolist()
             drafts = [[t] for t in tokens]
             step = 1
             active = [j for j, (_, _, k) in enumerate(live) if k > 1]
             while active:  # the chain's next tokens, one decode step each
                 lens = [len(live[j][1].fed) for j in active]
-                batch = ForwardBatch.decode([drafts[j][-1] for j in active], lens,
-                                            [rows[j] for j in active], table,
-                                            device=table.device)
+                batch = self._chain_step(live, drafts, lens, active)
                 tokens = self.runner.forward(batch).argmax(-1).tolist()
                 for j, t in zip(active, tokens):
                     live[j][1].fed.append(drafts[j][-1])
                     drafts[j].append(t)
                 step += 1
                 active = [j for j in active if live[j][2] > step]
-        for (i, _, _), d in zip(live, drafts):
-            out[i] = Draft(d, 0)
-        return out
+        return self._drafts(out, live, drafts)

@@ -18,7 +18,6 @@ accepted."""
 from __future__ import annotations
 
 import torch
-from engine.forward_batch import ForwardBatch
 from engine.interfaces import Draft
 from engine.speculative import PooledDrafter
 
@@ -110,11 +109,9 @@ class EagleDrafter(PooledDrafter):
             live.append((i, st, k))
         if not live:
             return out
-        table = self.pool.req_to_token
-        rows = [st.row for _, st, _ in live]
         with torch.inference_mode():
-            batch = ForwardBatch.build(ids, prefix, rows, None, table, device=table.device)
-            logits = self.runner.forward(batch, hidden=torch.cat(hidden))
+            logits = self.runner.forward(self._catch_up(live, ids, prefix),
+                                         hidden=torch.cat(hidden))
             tokens = self._tokens(logits)
             own = self.head.last_hidden  # row j: the head's state after live[j]'s last entry
             for _, st, _ in live:
@@ -124,10 +121,7 @@ class EagleDrafter(PooledDrafter):
             active = [j for j, (_, _, k) in enumerate(live) if k > 1]
             own = _rows(own, active, len(live))
             while active:  # the chain's next tokens: the head over its own states
-                batch = ForwardBatch.decode([drafts[j][-1] for j in active],
-                                            [lens[j] for j in active],
-                                            [rows[j] for j in active], table,
-                                            device=table.device)
+                batch = self._chain_step(live, drafts, [lens[j] for j in active], active)
                 tokens = self._tokens(self.runner.forward(batch, hidden=own)).tolist()
                 for j, t in zip(active, tokens):
                     drafts[j].append(t)
@@ -135,6 +129,4 @@ class EagleDrafter(PooledDrafter):
                 still = [x for x, j in enumerate(active) if live[j][2] > len(drafts[j])]
                 own = _rows(self.head.last_hidden, still, len(active))
                 active = [active[x] for x in still]
-        for (i, _, _), d in zip(live, drafts):
-            out[i] = Draft(d, 0)
-        return out
+        return self._drafts(out, live, drafts)
