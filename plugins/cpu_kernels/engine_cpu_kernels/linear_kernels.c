@@ -626,17 +626,25 @@ T_AVX2 INLINE void mk_avx2_impl(const float *x, int64_t ldx, const void *wt, int
     mk_avx2_acc(x, ldx, wt, K, c, MR, fmt, pf, 0);
 }
 
-/* a float32 tile chunk [K][32] into (acc 0) or onto (acc 1) c's mr rows */
-T_AVX2 static void mk_avx2_f32_acc(const float *x, int64_t ldx, const float *wt, int64_t K,
-                                   float *c, int mr, int acc) {
-    if (acc) {
-        if (mr == 1) mk_avx2_acc(x, ldx, wt, K, c, 1, -1, NULL, 1);
-        else if (mr == 2) mk_avx2_acc(x, ldx, wt, K, c, 2, -1, NULL, 1);
-        else mk_avx2_acc(x, ldx, wt, K, c, 3, -1, NULL, 1);
-    } else {
-        if (mr == 1) mk_avx2_acc(x, ldx, wt, K, c, 1, -1, NULL, 0);
-        else if (mr == 2) mk_avx2_acc(x, ldx, wt, K, c, 2, -1, NULL, 0);
-        else mk_avx2_acc(x, ldx, wt, K, c, 3, -1, NULL, 0);
+/* every one of ``rows`` rows over a float32 chunk [kc][32] of a tile, k0..k0 + kc, in passes
+ * of MR_AVX2_F32 rows: into c for the first chunk (k0 0), onto it for the next. The AVX2
+ * converted and dequantized tiles run through this a chunk at a time, so that the chunk stays
+ * in L1 for every pass (the whole tile read from L2 once per pass cost more) */
+T_AVX2 static void avx2_chunk_passes(const float *x, int64_t ldx, const float *chunk,
+                                     int64_t k0, int64_t kc, float *c, int64_t rows) {
+    for (int64_t i = 0; i < rows; i += MR_AVX2_F32) {
+        const float *xi = x + i * ldx + k0;
+        float *ci = c + i * NR;
+        int mr = rows - i < MR_AVX2_F32 ? (int)(rows - i) : MR_AVX2_F32;
+        if (k0) {
+            if (mr == 1) mk_avx2_acc(xi, ldx, chunk, kc, ci, 1, -1, NULL, 1);
+            else if (mr == 2) mk_avx2_acc(xi, ldx, chunk, kc, ci, 2, -1, NULL, 1);
+            else mk_avx2_acc(xi, ldx, chunk, kc, ci, 3, -1, NULL, 1);
+        } else {
+            if (mr == 1) mk_avx2_acc(xi, ldx, chunk, kc, ci, 1, -1, NULL, 0);
+            else if (mr == 2) mk_avx2_acc(xi, ldx, chunk, kc, ci, 2, -1, NULL, 0);
+            else mk_avx2_acc(xi, ldx, chunk, kc, ci, 3, -1, NULL, 0);
+        }
     }
 }
 
@@ -648,15 +656,6 @@ T_AVX2 static void mk_avx2_half(int fmt, const float *x, int64_t ldx, const void
     } else {
         if (mr == 1) mk_avx2_impl(x, ldx, wt, K, c, 1, FMT_BF16, pf);
         else mk_avx2_impl(x, ldx, wt, K, c, 2, FMT_BF16, pf);
-    }
-}
-
-T_AVX2 static void mk_avx2_f32(const float *x, int64_t ldx, const float *wt, int64_t K, float *c,
-                               int mr, const char *pf) {
-    switch (mr) {
-    case 1: mk_avx2_impl(x, ldx, wt, K, c, 1, -1, pf); break;
-    case 2: mk_avx2_impl(x, ldx, wt, K, c, 2, -1, pf); break;
-    default: mk_avx2_impl(x, ldx, wt, K, c, 3, -1, pf); break;
     }
 }
 
@@ -1517,10 +1516,7 @@ static int run_tile_wo(const job_t *j, const char *wt, const char *next, int64_t
         }
         return EK_OK;
     }
-    if (isa == ISA_AVX2) {
-        /* a block (32 k) at a time, dequantized into L1, every row's pass over it before the
-         * next (as the half weights: the whole dequantized tile read from L2 once per 3 rows
-         * cost more); the next tile's block prefetched */
+    if (isa == ISA_AVX2) { /* a block (32 k) at a time; the next tile's block prefetched */
         const int64_t tb = fmt == FMT_Q8_0 ? Q8_TILE_BLOCK : q4_tile_block(fmt);
         const char *pf = next;
         float *chunk = scratch(&tl_tile, (size_t)(QK * NR) * 4);
@@ -1528,12 +1524,7 @@ static int run_tile_wo(const job_t *j, const char *wt, const char *next, int64_t
         for (int64_t b = 0; b < nb; b++) {
             for (int64_t o = 0; o < tb; o += 64) PF(pf + b * tb + o);
             wo_tile_avx2(fmt, w + b * tb, 1, chunk);
-            for (int64_t i = 0; i < rows;) {
-                int mr = rows - i < MR_AVX2_F32 ? (int)(rows - i) : MR_AVX2_F32;
-                mk_avx2_f32_acc(x + i * j->ldx + b * QK, j->ldx, chunk, QK, c + i * NR, mr,
-                                b > 0);
-                i += mr;
-            }
+            avx2_chunk_passes(x, j->ldx, chunk, b * QK, QK, c, rows);
         }
         return EK_OK;
     }
@@ -1544,14 +1535,10 @@ static int run_tile_wo(const job_t *j, const char *wt, const char *next, int64_t
         mk_scalar_f32(x, j->ldx, tile, K, c, (int)rows);
         return EK_OK;
     }
-    if (isa == ISA_AVX512) wo_tile_512(fmt, w, nb, tile);
-    else wo_tile_avx2(fmt, w, nb, tile);
-    int mrmax = isa == ISA_AVX512 ? MR_512 : MR_AVX2_F32;
+    wo_tile_512(fmt, w, nb, tile); /* AVX-512: the whole tile, then 12-row passes */
     for (int64_t i = 0; i < rows;) {
-        int mr = rows - i < mrmax ? (int)(rows - i) : mrmax;
-        const char *pf = i == 0 ? next : NULL;
-        if (isa == ISA_AVX512) mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
-        else mk_avx2_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
+        int mr = rows - i < MR_512 ? (int)(rows - i) : MR_512;
+        mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, i == 0 ? next : NULL);
         i += mr;
     }
     return EK_OK;
@@ -1633,37 +1620,26 @@ static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t row
         }
         return EK_OK;
     }
-    if (isa == ISA_AVX2) {
-        /* K in chunks whose float32 conversion stays in L1, every row's passes over a chunk
-         * before the next (the 3-row passes over a whole converted tile read it from L2
-         * six times at 16 rows); the next tile prefetched while converting */
+    if (isa == ISA_AVX2) { /* AVX2_KC k at a time, the next tile prefetched while converting */
         float *chunk = scratch(&tl_tile, (size_t)(AVX2_KC * NR) * 4);
         if (!chunk) return EK_NO_MEMORY;
         for (int64_t k0 = 0; k0 < K; k0 += AVX2_KC) {
             int64_t kc = K - k0 < AVX2_KC ? K - k0 : AVX2_KC;
             tile_to_f32_avx2(fmt, (const uint16_t *)wt + k0 * NR, kc, chunk,
                              next ? next + k0 * NR * 2 : NULL);
-            for (int64_t i = 0; i < rows;) {
-                int mr = rows - i < MR_AVX2_F32 ? (int)(rows - i) : MR_AVX2_F32;
-                mk_avx2_f32_acc(x + i * j->ldx + k0, j->ldx, chunk, kc, c + i * NR, mr, k0 > 0);
-                i += mr;
-            }
+            avx2_chunk_passes(x, j->ldx, chunk, k0, kc, c, rows);
         }
         return EK_OK;
     }
+    /* AVX-512: the whole tile converted, then 12-row passes, the first prefetching the next
+     * tile (prefetching while converting, as AVX2 does, slowed it: 16 rows of SmolLM2's
+     * float16 step 24.6 -> 28.7 ms; so did AVX2's chunks, 25.0 -> 31.8-34.4 ms) */
     float *tile = scratch(&tl_tile, (size_t)(K * NR) * 4);
     if (!tile) return EK_NO_MEMORY;
-    int mrmax = isa == ISA_AVX512 ? MR_512 : MR_AVX2_F32;
-    /* AVX2 prefetches the next tile while converting this one (16 rows of SmolLM2's float16
-     * step: 34.2 -> 31.3-33.0 ms); AVX-512's faster conversion floods memory with it (24.6 ->
-     * 28.7 ms), so it prefetches in the first micro-kernel pass only */
-    if (isa == ISA_AVX512) tile_to_f32_512(fmt, (const uint16_t *)wt, K, tile, NULL);
-    else tile_to_f32_avx2(fmt, (const uint16_t *)wt, K, tile, next);
+    tile_to_f32_512(fmt, (const uint16_t *)wt, K, tile, NULL);
     for (int64_t i = 0; i < rows;) {
-        int mr = rows - i < mrmax ? (int)(rows - i) : mrmax;
-        const char *pf = i == 0 ? next : NULL;
-        if (isa == ISA_AVX512) mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
-        else mk_avx2_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, pf);
+        int mr = rows - i < MR_512 ? (int)(rows - i) : MR_512;
+        mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, i == 0 ? next : NULL);
         i += mr;
     }
     return EK_OK;
