@@ -52,6 +52,20 @@ the predicted *peak* of that usage, with it added, fits the pool:
   admitted about one spacing apart, so that they finish spread out. It applies once
   PACE_MIN_FINISHED requests finished (before that the curve is only its prior, which says
   every request runs to max_new_tokens).
+- The floor (``FloorPlan``): a candidate SGLang's schedule at conservativeness 1.0 would admit
+  (its own ratio, stepped and reset alongside) is admitted too, unless pacing refuses it, a
+  retraction happened lately (the retraction risk is still at or above FLOOR_GATE: about 28
+  finished requests after one), or retractions have been more than one plus one per
+  FLOOR_BUDGET finished requests (their price, the recompute, is then paid too often for what
+  the floor's extra rows gain). On SmolLM2's recorded lengths (conservativeness_replay.py) the
+  peak plan alone held back too much where 1.0 runs many requests with few retractions (pool
+  8000, fruits: 0.81x 1.0's tokens per step; floored 1.07x) and lost 3% on full-length
+  requests at 4000 (floored 1.02x, 5 retractions against 1.0's 27). Pacing keeps its veto
+  because 1.0's cohorts are what it breaks up (overruled, full-length fell to 0.84x); the gate
+  and the budget because a floor that re-admits right after retracting locks into a
+  retraction every request lifetime (full-length at 4000: 10-11 running), and without the
+  budget the random model's full-length requests were retracted 97 times against 1.0's 57
+  (31 with it).
 """
 
 from __future__ import annotations
@@ -61,7 +75,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from engine.scheduler.admission import NewTokenRatio, reservable_tokens
+from engine.scheduler.admission import NewTokenRatio, SumPlan, reservable_tokens
 from engine.scheduler.peak_plan import PeakPlan, Rows
 from engine.scheduler.survival import SurvivalCurve
 
@@ -79,6 +93,8 @@ CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of e
 HAZARD_MIN = 0.05
 EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
 EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
+FLOOR_GATE = 0.05  # 1.0's admissions are a floor while the retraction risk is under this ...
+FLOOR_BUDGET = 32  # ... and retraction victims number at most 1 + 1 per this many finished
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
 # the curve is only its prior
 
@@ -114,6 +130,8 @@ class AdaptiveRatio:
         self._finished_now = 0
         self.steps = 0  # decode steps (pacing's clock)
         self.finished_count = 0
+        self.floor = NewTokenRatio(1.0)  # what --schedule-conservativeness 1.0 admits (FloorPlan)
+        self.victims = 0  # requests retracted so far (the floor's budget)
 
     @property
     def hazard(self) -> float:
@@ -176,9 +194,18 @@ class AdaptiveRatio:
         return float(np.where(now > 0, 1 - nxt / np.where(now > 0, now, 1.0), 0.0).sum())
 
     # -- the scheduler's interface -------------------------------------------------------------
-    def plan(self, running, capacity: int | None = None) -> PeakPlan:
-        """This step's admission; ``capacity`` (the pool's tokens) turns pacing on once
-        PACE_MIN_FINISHED requests finished."""
+    def plan(self, running, capacity: int | None = None) -> PeakPlan | FloorPlan:
+        """This step's admission: the peak plan, with 1.0's admissions as a floor unless a
+        retraction happened lately or too many did (``FloorPlan``)."""
+        plan = self.peak_plan(running, capacity)
+        if self.retraction_risk >= FLOOR_GATE or \
+                self.victims > 1 + self.finished_count / FLOOR_BUDGET:
+            return plan
+        return FloorPlan(SumPlan(self.floor, running), plan)
+
+    def peak_plan(self, running, capacity: int | None = None) -> PeakPlan:
+        """The admission against the predicted peak; ``capacity`` (the pool's tokens) turns
+        pacing on once PACE_MIN_FINISHED requests finished."""
         rows = Rows.of(running)
         curve = self.curve(rows)
         self.z = self.priced_z(curve, rows)
@@ -206,6 +233,7 @@ class AdaptiveRatio:
     def step(self) -> None:
         """A decode step ran: fold its finishes and the plan's prediction into the calibration."""
         self.steps += 1
+        self.floor.step()
         if self._predicted_now is None:  # no plan this step: nothing to compare
             self._finished_now = 0
             return
@@ -222,12 +250,14 @@ class AdaptiveRatio:
         in units of the mean running request's length, x RETRACT_RISK. Returns the risk before
         and after (the log line's pair)."""
         old = self.risk
+        self.floor.after_retraction(running, victims)
         lengths = [r.seq_len for r in running]
         mean_len = max(sum(lengths) / len(lengths), 1.0) if lengths else 1.0
         cost = sum(v.seq_len for v in victims) if victims else mean_len
         self.retraction_risk = min(self.retraction_risk + RETRACT_RISK * cost / mean_len,
                                    RETRACTION_RISK_MAX)
         self.retractions += 1
+        self.victims += max(len(victims), 1)
         return old, self.risk
 
     def describe(self) -> str:
@@ -235,3 +265,33 @@ class AdaptiveRatio:
                 f"({len(self.done_share)} finished); z {self.z:.2f}, hazard x{self.hazard:.2f}, "
                 f"model risk {self.risk:.2f} (retractions {self.retraction_risk:.2f}; "
                 f"{self.retractions} retraction steps)")
+
+
+class FloorPlan:
+    """The peak plan with SGLang's 1.0 schedule as a floor: a candidate is admitted when either
+    would admit it (``auto`` never admits less than 1.0), except that pacing's refusal stands
+    (admitting into a crowd of finishes is what builds the lockstep cohorts pacing breaks up).
+    Each plan keeps its own account of what this step's admissions promised."""
+
+    def __init__(self, floor: SumPlan, peak: PeakPlan):
+        self.floor, self.peak = floor, peak
+        self.r_floor, self.r_peak = floor.held, peak.held
+        self.held = min(self.r_floor, self.r_peak)
+        self._last = None
+
+    def reservation(self, req, extend: int) -> float:
+        by_floor = self.r_floor + self.floor.reservation(req, extend)
+        by_peak = self.r_peak + self.peak.reservation(req, extend)  # inf: pacing refuses
+        self._last = (req, extend, by_floor, by_peak)
+        if by_peak == float("inf"):
+            return by_peak
+        # the scheduler admits when extend + this fits the room left after self.held and the
+        # reservations returned so far: i.e. when the lower of the two accounts fits
+        return min(by_floor, by_peak) - min(self.r_floor, self.r_peak)
+
+    def admitted(self, req, extend: int) -> None:
+        last = self._last
+        if last is None or last[0] is not req or last[1] != extend:
+            self.reservation(req, extend)
+        _, _, self.r_floor, self.r_peak = self._last
+        self.peak.admitted(req, extend)

@@ -124,7 +124,7 @@ class StepPrefill:
     budget: PrefillBudget
     chunks: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens this step)
     reserve: float = 0.0  # slots held back for running and just-admitted requests
-    plan: Any = None  # the ratio's plan (SumPlan or adaptive.PeakPlan) once admission starts
+    plan: Any = None  # the ratio's plan (SumPlan, adaptive.PeakPlan or FloorPlan) once admitting
     new_seqs: int = 0
     cached: int = 0  # prompt tokens the new requests found in the radix cache
 
