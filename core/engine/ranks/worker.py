@@ -114,6 +114,11 @@ def main(argv: list[str]) -> None:
     config.attention_backend = spec["resolved"]["attention"]
     config.page_size = spec["resolved"]["page_size"]
     run(config, rank, spec["host"], spec["port"], spec["resolved"])
+    # stopped cleanly: end here rather than in the interpreter's teardown, where the daemon
+    # heartbeat thread may still be inside the store's C++ client as it is destroyed (a worker
+    # once aborted there: "terminate called without an active exception")
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
