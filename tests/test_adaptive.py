@@ -8,8 +8,8 @@ from engine import Engine
 from engine.config import ConfigError, EngineConfig
 import numpy as np
 
-from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, FLOOR_GATE,
-                                       MODEL_RISK, AdaptiveRatio, FloorPlan, PeakPlan, Rows,
+from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, MODEL_RISK,
+                                       AdaptiveRatio, FloorPlan, PeakPlan, Rows,
                                        SurvivalCurve, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
 
@@ -333,7 +333,8 @@ def test_pacing_refuses_a_second_request_that_would_finish_with_the_first():
 def test_auto_admits_at_least_what_1_0_admits_until_a_retraction():
     """The floor: with nothing learnt (the peak plan holds back 0.9 of the gap to
     max_new_tokens), auto still admits what SGLang's 1.0 admits (0.7 of it); after a
-    retraction the floor is off until finished requests bring the retraction risk down."""
+    retraction the floor is off until the batch turned over (as many requests finished as
+    were running), and while retractions outnumber 1 + 1 per FLOOR_BUDGET finished."""
     ratio, fixed = AdaptiveRatio(), NewTokenRatio(1.0)
     running = [req(10, 100, prompt=20)]
     pool = 300
@@ -357,15 +358,15 @@ def test_auto_admits_at_least_what_1_0_admits_until_a_retraction():
     assert by_floor > by_peak  # the cautious start of the peak plan ...
     assert admitted(ratio.plan(running)) == by_floor  # ... is floored at 1.0's
     ratio.after_retraction(running, [req(50, 100, prompt=20)])
-    assert ratio.retraction_risk >= FLOOR_GATE
-    assert admitted(ratio.plan(running)) == by_peak  # a retraction: the peak plan alone
-    while ratio.retraction_risk >= FLOOR_GATE:
-        ratio.finished(req(10, 100, arrival=ratio.finished_count, reason="stop"))
-    assert isinstance(ratio.plan(running), FloorPlan)
+    assert admitted(ratio.plan(running)) == by_peak  # a retraction: the peak plan alone ...
+    ratio.finished(req(10, 100, arrival=0, reason="stop"))
+    assert not isinstance(ratio.plan(running), FloorPlan)
+    ratio.finished(req(10, 100, arrival=1, reason="stop"))  # ... until as many finished as
+    assert isinstance(ratio.plan(running), FloorPlan)  # were running (and its victim) then
     # retractions beyond 1 + 1 per FLOOR_BUDGET finished requests: off until finishes catch up
     for _ in range(3):
         ratio.after_retraction(running, [req(50, 100, prompt=20)])
-    while ratio.retraction_risk >= FLOOR_GATE:
+    for _ in range(2):
         ratio.finished(req(10, 100, arrival=ratio.finished_count, reason="stop"))
     assert ratio.finished_count < 3 * FLOOR_BUDGET
     assert not isinstance(ratio.plan(running), FloorPlan)

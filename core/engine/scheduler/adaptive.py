@@ -54,18 +54,17 @@ the predicted *peak* of that usage, with it added, fits the pool:
   every request runs to max_new_tokens).
 - The floor (``FloorPlan``): a candidate SGLang's schedule at conservativeness 1.0 would admit
   (its own ratio, stepped and reset alongside) is admitted too, unless pacing refuses it, a
-  retraction happened lately (the retraction risk is still at or above FLOOR_GATE: about 28
-  finished requests after one), or retractions have been more than one plus one per
-  FLOOR_BUDGET finished requests (their price, the recompute, is then paid too often for what
-  the floor's extra rows gain). On SmolLM2's recorded lengths (conservativeness_replay.py) the
-  peak plan alone held back too much where 1.0 runs many requests with few retractions (pool
-  8000, fruits: 0.81x 1.0's tokens per step; floored 1.07x) and lost 3% on full-length
-  requests at 4000 (floored 1.02x, 5 retractions against 1.0's 27). Pacing keeps its veto
-  because 1.0's cohorts are what it breaks up (overruled, full-length fell to 0.84x); the gate
-  and the budget because a floor that re-admits right after retracting locks into a
-  retraction every request lifetime (full-length at 4000: 10-11 running), and without the
-  budget the random model's full-length requests were retracted 97 times against 1.0's 57
-  (31 with it).
+  retraction happened lately (until as many requests have finished as were running then: the
+  batch turned over once), or retractions have been more than one plus one per FLOOR_BUDGET
+  finished requests (their price, the recompute, is then paid too often for what the floor's
+  extra rows gain). On SmolLM2's recorded lengths (conservativeness_replay.py) the peak plan
+  alone held back too much where 1.0 runs many requests with few retractions (pool 8000,
+  fruits: 0.81x 1.0's tokens per step; floored 1.07x) and lost 3% on full-length requests at
+  4000 (floored 1.02x, 5 retractions against 1.0's 27). Pacing keeps its veto because 1.0's
+  cohorts are what it breaks up (overruled, full-length fell to 0.84x); the gate and the
+  budget because a floor that re-admits right after retracting locks into a retraction every
+  request lifetime (full-length at 4000: 10-11 running), and without the budget the random
+  model's full-length requests were retracted 97 times against 1.0's 57 (31 with it).
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of e
 HAZARD_MIN = 0.05
 EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
 EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
-FLOOR_GATE = 0.05  # 1.0's admissions are a floor while the retraction risk is under this ...
-FLOOR_BUDGET = 32  # ... and retraction victims number at most 1 + 1 per this many finished
+FLOOR_BUDGET = 32  # the floor holds while victims number at most 1 + 1 per this many finished
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
 # the curve is only its prior
 
@@ -132,6 +130,7 @@ class AdaptiveRatio:
         self.finished_count = 0
         self.floor = NewTokenRatio(1.0)  # what --schedule-conservativeness 1.0 admits (FloorPlan)
         self.victims = 0  # requests retracted so far (the floor's budget)
+        self.floor_off_until = 0  # finished requests: the floor is off after a retraction
 
     @property
     def hazard(self) -> float:
@@ -198,7 +197,7 @@ class AdaptiveRatio:
         """This step's admission: the peak plan, with 1.0's admissions as a floor unless a
         retraction happened lately or too many did (``FloorPlan``)."""
         plan = self.peak_plan(running, capacity)
-        if self.retraction_risk >= FLOOR_GATE or \
+        if self.finished_count < self.floor_off_until or \
                 self.victims > 1 + self.finished_count / FLOOR_BUDGET:
             return plan
         return FloorPlan(SumPlan(self.floor, running), plan)
@@ -258,6 +257,8 @@ class AdaptiveRatio:
                                    RETRACTION_RISK_MAX)
         self.retractions += 1
         self.victims += max(len(victims), 1)
+        # off until as many requests finished as were running: the batch turned over once
+        self.floor_off_until = self.finished_count + len(running) + len(victims)
         return old, self.risk
 
     def describe(self) -> str:
