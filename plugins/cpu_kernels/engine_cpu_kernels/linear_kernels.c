@@ -846,10 +846,8 @@ T_512 static void mk_512_f32(const float *x, int64_t ldx, const void *wt, int64_
 #undef C
 }
 
-T_512 static void tile_to_f32_512(int fmt, const uint16_t *w, int64_t K, float *out,
-                                  const char *pf) {
+T_512 static void tile_to_f32_512(int fmt, const uint16_t *w, int64_t K, float *out) {
     for (int64_t i = 0; i < K * NR; i += 16) {
-        if ((i & 31) == 0) PF(pf + i * 2);
         _mm512_storeu_ps(out + i, fmt == FMT_F16 ? ld16_512(w + i, FMT_F16) : ld16_512(w + i, FMT_BF16));
     }
 }
@@ -1636,7 +1634,7 @@ static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t row
      * float16 step 24.6 -> 28.7 ms; so did AVX2's chunks, 25.0 -> 31.8-34.4 ms) */
     float *tile = scratch(&tl_tile, (size_t)(K * NR) * 4);
     if (!tile) return EK_NO_MEMORY;
-    tile_to_f32_512(fmt, (const uint16_t *)wt, K, tile, NULL);
+    tile_to_f32_512(fmt, (const uint16_t *)wt, K, tile);
     for (int64_t i = 0; i < rows;) {
         int mr = rows - i < MR_512 ? (int)(rows - i) : MR_512;
         mk_512_f32(x + i * j->ldx, j->ldx, tile, K, c + i * NR, mr, i == 0 ? next : NULL);
