@@ -166,6 +166,22 @@ def expected_usage(curve, reqs, extends, horizon):
     return out
 
 
+def admit_in_order(plan, available, candidates) -> list:
+    """The scheduler's arithmetic (_try_admit / StepPrefill.add_new): ``candidates`` in order,
+    each with its whole prompt to prefill, until one does not fit; the ones admitted."""
+    reserve, admitted = plan.held, []
+    for cand in candidates:
+        extend = cand.seq_len
+        reservation = plan.reservation(cand, extend)
+        if extend + reservation > available - reserve:
+            break
+        available -= extend
+        reserve += reservation
+        plan.admitted(cand, extend)
+        admitted.append(cand)
+    return admitted
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_peak_admission_never_admits_past_the_pool_in_expectation(seed):
     rng = random.Random(seed)
@@ -176,20 +192,10 @@ def test_peak_admission_never_admits_past_the_pool_in_expectation(seed):
     running = [req(rng.randrange(0, 150), 200, prompt=rng.randrange(5, 40), arrival=60 + i)
                for i in range(rng.randrange(5, 30))]
     pool = 4000
-    available = pool - sum(r.seq_len for r in running)
     plan = ratio.peak_plan(running)
-    reserve = plan.held
-    admitted = []
-    for i in range(200):  # the scheduler's arithmetic (_try_admit / StepPrefill.add_new)
-        cand = req(0, 200, prompt=rng.randrange(5, 40), arrival=100 + i)
-        extend = cand.seq_len
-        reservation = plan.reservation(cand, extend)
-        if extend + reservation > available - reserve:
-            break
-        available -= extend
-        reserve += reservation
-        plan.admitted(cand, extend)
-        admitted.append(cand)
+    admitted = admit_in_order(plan, pool - sum(r.seq_len for r in running),
+                              (req(0, 200, prompt=rng.randrange(5, 40), arrival=100 + i)
+                               for i in range(200)))
     assert admitted  # there was room
     curve = ratio.last_curve
     usage = expected_usage(curve, running + admitted,
@@ -341,18 +347,8 @@ def test_auto_admits_at_least_what_1_0_admits_until_a_retraction():
     available = pool - sum(r.seq_len for r in running)
 
     def admitted(plan):
-        reserve, n = plan.held, 0
-        room = available
-        for i in range(20):
-            cand = req(0, 100, prompt=10, arrival=1 + i)
-            reservation = plan.reservation(cand, 10)
-            if 10 + reservation > room - reserve:
-                return n
-            room -= 10
-            reserve += reservation
-            plan.admitted(cand, 10)
-            n += 1
-        return n
+        return len(admit_in_order(plan, available,
+                                  [req(0, 100, prompt=10, arrival=1 + i) for i in range(20)]))
 
     by_floor, by_peak = admitted(fixed.plan(running)), admitted(ratio.peak_plan(running))
     assert by_floor > by_peak  # the cautious start of the peak plan ...
