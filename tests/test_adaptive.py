@@ -100,6 +100,43 @@ def test_auto_and_its_floor_in_every_scheduler_mode(model, options):
     assert fixed["usage"] > 0.5 and auto["usage"] > 0.5  # requests waited for a full pool
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_with_every_request_kind_in_a_tight_pool(model, overlap):
+    """Greedy, seeded sampling, n > 1, a streamed request and prompt scoring (echo +
+    logprobs) together, in a pool that makes admission matter: auto gives each request what
+    1.0 gives it (admission order never changes a request's tokens; its prompt scores move
+    only by float rounding, as the batches around it differ)."""
+    rng = random.Random(7)
+    jobs = []
+    for i in range(24):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(6, 20))]
+        kind = i % 4
+        params = {"max_new_tokens": rng.randint(8, 40), "ignore_eos": True,
+                  "temperature": 0 if kind == 0 else 0.8, "seed": i,
+                  **({"n": 2} if kind == 2 else {})}
+        jobs.append((prompt, params, 3 if kind == 3 else None, kind == 1))
+
+    def outputs(conservativeness):
+        engine = Engine(model, device="cpu", max_total_tokens=160, enable_overlap_schedule=overlap,
+                        schedule_conservativeness=conservativeness)
+        reqs = [r for prompt, params, top, stream in jobs
+                for r in engine.add_request(prompt, params, stream=stream, prompt_logprobs=top)]
+        steps = 0
+        while engine.scheduler.has_work:
+            engine.step()
+            engine.scheduler.check_invariants()
+            steps += 1
+            assert steps < 3000
+        assert all(r.finished for r in reqs)
+        return reqs
+
+    auto, fixed = outputs("auto"), outputs(1.0)
+    assert [r.output_ids for r in auto] == [r.output_ids for r in fixed]
+    for a, f in zip(auto, fixed):  # scores within float rounding of another batch's shape
+        assert len(a.input_logprobs) == len(f.input_logprobs)
+        assert a.input_logprobs[1:] == pytest.approx(f.input_logprobs[1:], abs=1e-4)
+
+
 def req(generated, max_new, prompt=10, arrival=0, cached=0, reason=None):
     """A stand-in request: ``generated`` output tokens of ``max_new``."""
     from types import SimpleNamespace
