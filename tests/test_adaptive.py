@@ -34,6 +34,17 @@ def workload(n, max_new, early_eos, seed=0):
     return prompts, early if early_eos else full
 
 
+def drain(engine, limit: int) -> int:
+    """Step until nothing is left, checking the slot invariant after every step; the steps."""
+    steps = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        engine.scheduler.check_invariants()
+        steps += 1
+        assert steps < limit
+    return steps
+
+
 def serve(model, conservativeness, prompts, params, pool=512, **options):
     """Run every request to the end; the mean token usage over the steps with a queue."""
     engine = Engine(model, device="cpu", max_total_tokens=pool,
@@ -42,12 +53,7 @@ def serve(model, conservativeness, prompts, params, pool=512, **options):
     engine.scheduler.on_step = lambda s: usage.append(s.token_usage) if s.num_queue_reqs else None
     each = params if isinstance(params, list) else [params] * len(prompts)
     reqs = [engine.add_request(p, q)[0] for p, q in zip(prompts, each)]
-    steps = 0
-    while engine.scheduler.has_work:
-        engine.step()
-        engine.scheduler.check_invariants()
-        steps += 1
-        assert steps < 2000
+    steps = drain(engine, 2000)
     return {"usage": sum(usage) / len(usage), "steps": steps,
             "retracted": engine.scheduler.counters.retracted_reqs,
             "outputs": [r.output_ids for r in reqs], "ratio": engine.scheduler.ratio}
@@ -121,12 +127,7 @@ def test_auto_with_every_request_kind_in_a_tight_pool(model, overlap):
                         schedule_conservativeness=conservativeness)
         reqs = [r for prompt, params, top, stream in jobs
                 for r in engine.add_request(prompt, params, stream=stream, prompt_logprobs=top)]
-        steps = 0
-        while engine.scheduler.has_work:
-            engine.step()
-            engine.scheduler.check_invariants()
-            steps += 1
-            assert steps < 3000
+        drain(engine, 3000)
         assert all(r.finished for r in reqs)
         return reqs
 
