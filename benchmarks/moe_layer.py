@@ -1,11 +1,14 @@
 """An MoE layer (engine.layers.moe.SparseMoE) against a dense MLP with the same active FLOPs,
-float32 on this CPU, at several token counts.
+float32 on this CPU, at several token counts: the MoE layer as the engine runs it on a CPU
+(its experts grouped, two calls into a plugin's grouped GEMM: layers/moe_grouped.py) and with
+the per-expert loop (one oneDNN GEMM per active expert, ``ENGINE_MOE_KERNEL=per_expert``).
 
 The MoE block has E experts of intermediate size I, each token routed to k of them; the dense
 MLP (the Llama family's, engine.models.llama.MLP) has intermediate size k x I, so a token costs
 both the same multiply-adds in its projections (the MoE's router adds hidden x E more, counted
 for neither). Both are the engine's modules with their weights packed as the engine packs them
-on a CPU (``prepack_linears``: oneDNN float32). Shapes (``--shape``, at ``--hidden``, 1024 by
+on a CPU (``prepack_linears``: oneDNN float32; ``group_moe_layers`` first for the grouped
+side). Shapes (``--shape``, at ``--hidden``, 1024 by
 default; each real model's E, k and I / hidden):
 
 - ``qwen3-moe``: 128 experts, top-8, I = 0.375 hidden (Qwen3-30B-A3B: 2048 hidden, 768 per
@@ -19,12 +22,12 @@ memory, not from the last call's cache: each side cycles through copies of its l
 (different experts). Random weights (0.05 std) and inputs, so the routing is a random router's:
 uneven (the expert loads at the first input are printed).
 
-Printed per token count: the dense layer's and the MoE layer's milliseconds per call (a cycle
+Printed per token count: the dense layer's and each MoE side's milliseconds per call (a cycle
 over all copies, divided by the copies; the dense and MoE cycles alternate, and each side's
 best of ``--reps`` cycles after a warm-up cycle counts: the machine may be shared, and the best
-is the least disturbed), and the MoE layer's
-throughput as a fraction of the dense layer's (dense ms / MoE ms; issue 31's target: >= 0.7 at
-256 tokens). ``--profile N`` prints torch.profiler's table of MoE calls at N tokens.
+is the least disturbed), and each MoE side's throughput as a fraction of the dense layer's
+(dense ms / MoE ms; issue 31's target: >= 0.7 at 256 tokens). ``--profile N`` prints
+torch.profiler's table of the engine's MoE calls at N tokens.
 
     python benchmarks/moe_layer.py [--shape qwen3-moe|mixtral|custom] [--hidden 1024]
         [--experts E --top-k K --expert-intermediate I] [--tokens 1,16,256] [--reps 10]
@@ -42,6 +45,7 @@ import torch
 
 from engine.layers.linear import prepack_linears
 from engine.layers.moe import SparseMoE
+from engine.layers.moe_grouped import group_moe_layers
 from engine.models.llama import MLP
 
 SCALE = 0.05
@@ -74,9 +78,14 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def build(args) -> tuple[list[torch.nn.Module], list[SparseMoE], list[int]]:
-    """Copies of the dense layer and of the MoE layer, each side's weights at least
-    WORKING_SET bytes in all, packed as the engine packs them; one layer's weight bytes."""
+def build(args) -> tuple[list[list[torch.nn.Module]], list[int], str]:
+    """Copies of the dense layer, of the MoE layer on the per-expert loop and of the MoE layer
+    grouped (where a plugin's grouped GEMM runs here), each side's weights at least
+    WORKING_SET bytes in all, packed as the engine packs them; one layer's weight bytes; the
+    grouped side's ``MoE layers`` line."""
+    from engine.plugins import get_registries
+
+    registries, line = get_registries(), ""
     def dense_layer():
         return MLP(SimpleNamespace(hidden_size=args.hidden, mlp_bias=False,
                                    intermediate_size=args.top_k * args.expert_intermediate))
@@ -86,17 +95,23 @@ def build(args) -> tuple[list[torch.nn.Module], list[SparseMoE], list[int]]:
                          renormalize=True)
 
     sides, sizes = [], []
-    for seed, make in enumerate((dense_layer, moe_layer)):
+    for side, make in enumerate((dense_layer, moe_layer, moe_layer)):
         layers = [make()]
         sizes.append(weight_bytes(layers[0]))
         copies = max(2, -(-WORKING_SET // sizes[-1]))
         layers += [make() for _ in range(copies - 1)]
         for i, m in enumerate(layers):
-            randomize(m, 100 * seed + i)
+            randomize(m, 100 * min(side, 1) + i)  # both MoE sides: the same weights
             m.eval()
+            if side == 2:
+                line = group_moe_layers(m, torch.device("cpu"), torch.float32, False,
+                                        registries)
             prepack_linears(m, torch.device("cpu"), torch.float32)
         sides.append(layers)
-    return sides[0], sides[1], sizes
+    if "grouped GEMMs" not in line:
+        print(f"no grouped side: {line}")
+        sides.pop()
+    return sides, sizes, line
 
 
 def cycle_s(calls: list) -> float:
@@ -139,25 +154,31 @@ def main() -> None:
         args.expert_intermediate = int(ratio * args.hidden)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dense, moe, sizes = build(args)
+    sides, sizes, line = build(args)
+    dense, moe = sides[0], sides[-1]
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.shape}: hidden {args.hidden}, {args.experts} experts x "
           f"{args.expert_intermediate} top-{args.top_k} vs dense intermediate "
           f"{args.top_k * args.expert_intermediate}; {len(dense)} dense and {len(moe)} MoE "
           f"layer copies ({sizes[0] >> 20} and {sizes[1] >> 20} MiB "
           f"each)")
-    print(f"{'tokens':>6} {'dense ms':>9} {'MoE ms':>9} {'MoE/dense throughput':>21}  "
-          f"active experts (min-max tokens)")
+    if len(sides) == 3:
+        print(line)
+    names = ["loop", "grouped"][:len(sides) - 1]
+    print(f"{'tokens':>6} {'dense ms':>9} " + " ".join(f"{n + ' ms':>11}" for n in names) +
+          " " + " ".join(f"{n + '/dense':>13}" for n in names) +
+          "  active experts (min-max tokens)")
     gen = torch.Generator().manual_seed(7)
     for n in (int(t) for t in args.tokens.split(",")):
         inputs = [torch.randn(n, args.hidden, generator=gen) for _ in range(INPUTS)]
-        d, m = ms_per_call([dense, moe], inputs, args.reps)
+        d, *ms = ms_per_call(sides, inputs, args.reps)
         with torch.no_grad():
             _, ids = torch.topk(moe[0].gate(inputs[0]), args.top_k)
         loads = torch.bincount(ids.reshape(-1), minlength=args.experts)
         active = loads[loads > 0]
-        print(f"{n:>6} {d:>9.3f} {m:>9.3f} {d / m:>20.2f}x  {active.numel()} "
-              f"({active.min().item()}-{active.max().item()})")
+        print(f"{n:>6} {d:>9.3f} " + " ".join(f"{m:>11.3f}" for m in ms) + " " +
+              " ".join(f"{d / m:>12.2f}x" for m in ms) +
+              f"  {active.numel()} ({active.min().item()}-{active.max().item()})")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -190,21 +190,43 @@ def test_checkpoint_layout_loads_as_packed_experts(moe_dir, registries, cpu_devi
     experts = [m for m in runner.model.modules() if isinstance(m, Expert)]
     routers = [m for m in runner.model.modules() if isinstance(m, Router)]
     assert len(experts) == c.num_experts * len(sparse) and len(routers) == len(sparse)
-    # each expert's gate+up is one oneDNN-packed projection, its down another; routers float
+    # each expert's gate+up is one packed projection, its down another: for a plugin's
+    # grouped GEMM where one runs (engine-cpu-kernels' float32 kernel), else for oneDNN as the
+    # dense linears are; routers float
+    projections = {id(m) for e in experts for m in (e.gate_up_proj, e.down)}
     packed = [m for m in runner.model.modules() if isinstance(m, PrepackedWeight)]
-    assert all(m.packed and m.packed_kind == "onednn" for m in packed)
+    dense = [m for m in packed if id(m) not in projections]
+    assert all(m.packed and m.packed_kind == "onednn" for m in dense)
     assert all(e.gate_up_proj.packed and e.down.packed for e in experts)
+    grouped = runner.moe_kernel.startswith("MoE layers: grouped GEMMs")
+    assert grouped == (group_entry(registries, cpu_device) is not None), runner.moe_kernel
+    kinds = {m.packed_kind for e in experts for m in (e.gate_up_proj, e.down)}
+    assert kinds == ({"plugin"} if grouped else {"onednn"})
     assert all(r.weight.dtype == torch.float32 and not r.weight.is_mkldnn for r in routers)
-    assert f"linear layers: {len(packed)} float32 weights prepacked" in runner.linear_kernel
+    experts_packed = 0 if grouped else len(projections)
+    assert f"linear layers: {len(dense) + experts_packed} float32 weights prepacked" in \
+        runner.linear_kernel
 
 
-@pytest.mark.parametrize("linear_path", ["prepacked", "plain"])
+def group_entry(registries, cpu_device):
+    from engine.layers.moe_grouped import grouped_kernel
+
+    return grouped_kernel(registries, cpu_device.torch_device, torch.float32, False)[0]
+
+
+@pytest.mark.parametrize("linear_path", ["prepacked", "per_expert", "plain"])
 def test_logits_match_hf(moe_dir, registries, cpu_device, linear_path, monkeypatch):
+    """prepacked: the experts grouped where a plugin's grouped GEMM runs; per_expert: the loop
+    over oneDNN-packed experts; plain: F.linear everywhere."""
     if linear_path == "plain":
         monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")
+    if linear_path == "per_expert":
+        monkeypatch.setenv("ENGINE_MOE_KERNEL", "per_expert")
     runner = runner_for(moe_dir, registries, cpu_device)
     assert any(m.packed for m in runner.model.modules() if hasattr(m, "packed")) == \
-        (linear_path == "prepacked")
+        (linear_path != "plain")
+    assert ("per-expert GEMMs" in runner.moe_kernel) == (
+        linear_path != "prepacked" or group_entry(registries, cpu_device) is None)
     hf, prompts = hf_model(moe_dir), encode(moe_dir)
     last = prefill(runner, prompts)
     every = prefill(runner, prompts, return_all_logits=True)

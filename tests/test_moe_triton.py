@@ -148,17 +148,19 @@ def test_the_start_log_line_says_which_path_and_why(monkeypatch):
         assert torch.allclose(m(x), ref, atol=1e-5)
 
 
-def test_the_cpu_runner_says_it_runs_the_per_expert_path(tiny_model_factory):
+def test_the_cpu_runner_says_it_runs_the_per_expert_path(tiny_model_factory, monkeypatch):
     from engine.device import detect_device
     from engine.plugins import get_registries
     from engine.runner import ModelRunner
     from engine_testing.checkpoints import MOE_CASES
 
     arch, overrides = MOE_CASES["qwen3_moe_mlp_only"]
+    # without a plugin's grouped GEMM (that path: plugins/cpu_kernels/tests/test_grouped.py)
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "torch")
     runner = ModelRunner(tiny_model_factory(arch, **overrides), registries=get_registries(),
                          device=detect_device("cpu"), dtype="float32")
     assert runner.moe_kernel.startswith("MoE layers: per-expert GEMMs, ")
-    assert "the cpu path" in runner.moe_kernel
+    assert "ENGINE_LINEAR_KERNEL=torch keeps the core's own kernels" in runner.moe_kernel
 
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek_v3"])

@@ -14,12 +14,14 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 # The version of this contract, "MAJOR.MINOR". MINOR grows when hooks or keyword arguments are
 # added (a plugin built for an older minor still runs); MAJOR when one changes or goes away.
-ENGINE_HOOKS_VERSION = "1.5"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
+ENGINE_HOOKS_VERSION = "1.6"  # 1.1: register_grammar_backends; 1.2: register_linear_kernels;
 # 1.3: CPU graph nodes (LinearKernel.graph_nodes, AttentionBackend.cpu_graph_nodes, graph.h),
 # register_linear_kernels(activations=), QuantMethod.gguf_blocks / block_activations;
 # 1.4: register_speculative_algorithms, register_tool_parsers, register_reasoning_parsers,
 # register_hicache_storage; 1.5: register_attention_backends(mla=),
-# AttentionBackend.forward_latent, AttentionLayerSpec.kv_lora_rank (multi-head latent attention)
+# AttentionBackend.forward_latent, AttentionLayerSpec.kv_lora_rank (multi-head latent attention);
+# 1.6: LinearKernel.group / grouped_linear (an MoE layer's experts in one call) and
+# register_linear_kernels(weight_dtype="float32") for them
 # A plugin declares the contract it was built for as a module attribute of this name holding
 # a literal string (``ENGINE_HOOKS_VERSION = "1.0"``; never imported from here, which would
 # always match). One that declares nothing is taken as "1.0", the first versioned contract.
@@ -97,7 +99,9 @@ def register_linear_kernels(register):
     weight_dtype, check=None, priority=0, description="", activations="float32")``. ``kernel``
     is an :class:`engine.interfaces.LinearKernel` (pack a weight once at load, then ``linear(x,
     packed, bias)``); ``weight_dtype`` names the weights it keeps ("bfloat16", "float16", or a
-    block format such as "q8_0"); ``activations`` (contract 1.3) what it multiplies them with:
+    block format such as "q8_0"; "float32" (contract 1.6): the experts of a float32 model's MoE
+    layers, where the kernel has a grouped GEMM, and every linear under
+    ``ENGINE_LINEAR_KERNEL=NAME``); ``activations`` (contract 1.3) what it multiplies them with:
     "float32" (the activations as they come, float arithmetic) or "int8" (quantized on the fly,
     e.g. per block of 32 as llama.cpp does), which a quantization method's
     ``block_activations`` asks for; ``check(device) -> str | None`` says why it cannot run here

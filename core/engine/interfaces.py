@@ -209,6 +209,25 @@ class LinearKernel(ABC):
         put. Optional: raise ``GraphUnsupported`` saying why not (the default)."""
         raise GraphUnsupported(f"linear kernel {type(self).__name__} has no CPU graph nodes")
 
+    def group(self, packed: list) -> Any:
+        """An MoE layer's experts' packed weights (each :meth:`pack`'s result, or None for an
+        expert another rank holds; one shape) as one object for :meth:`grouped_linear`, built
+        once at load. Optional (contract 1.6): raise NotImplementedError (the default), and the
+        layer runs one :meth:`linear` per expert."""
+        raise NotImplementedError(f"linear kernel {type(self).__name__} has no grouped GEMM")
+
+    def grouped_linear(self, x: torch.Tensor, group: Any, offsets: torch.Tensor) -> torch.Tensor:
+        """Every expert's GEMM in one call: rows ``offsets[e]:offsets[e + 1]`` of ``x``
+        [rows, in] (sorted by expert; ``offsets`` int64 [experts + 1], from 0 to rows) times
+        expert e's weight, into the same rows of the result [rows, out] (x's dtype); an
+        expert without a weight (None in :meth:`group`) gives zero rows."""
+        raise NotImplementedError(f"linear kernel {type(self).__name__} has no grouped GEMM")
+
+    @property
+    def has_grouped(self) -> bool:
+        """Whether this kernel overrides :meth:`grouped_linear`."""
+        return type(self).grouped_linear is not LinearKernel.grouped_linear
+
 
 class ParallelStrategy(ABC):
     """How the ranks of ``--tp-size`` x ``--pp-size`` talk: a torch.distributed backend for

@@ -13,6 +13,7 @@ from engine.interfaces import BackendContext, KVDtype
 from engine.layers.attention import Attention, forward_context
 from engine.layers.linear import prepack_linears
 from engine.layers.moe_fused import fuse_moe_layers
+from engine.layers.moe_grouped import group_moe_layers
 from engine.memory.kv_pool import KVPool
 from engine.models.block_weights import (block_note, block_reason, pack_block_linears,
                                          quant_block_reason)
@@ -73,9 +74,10 @@ class ModelRunner:
                                                 parallel=tp is not None,
                                                 quantized=quant_method is not None,
                                                 activations=activations)
-        # an MoE model's sparse layers: the fused Triton kernel on CUDA (experts stacked once),
-        # else the per-expert GEMMs; the start log's line says which and why ("" if none)
-        self.moe_kernel = fuse_moe_layers(self.model, device.torch_device)
+        # an MoE model's sparse layers: grouped GEMMs on a CPU (packed with the linears,
+        # above), the fused Triton kernel on CUDA (experts stacked once), else the per-expert
+        # GEMMs; the start log's line says which and why ("" if none)
+        self.moe_kernel = self.moe_grouped or fuse_moe_layers(self.model, device.torch_device)
         if compile_max_tokens:
             from engine.compile import CompiledDecoder
 
@@ -106,6 +108,9 @@ class ModelRunner:
         parts = []
         if block_reason(ckpt, device, self.dtype, half_weights, parallel, quantized) is None:
             parts = pack_block_linears(self.model, ckpt, registries, activations)
+        # an MoE model's experts, for a kernel's grouped GEMM where one runs (CPU)
+        self.moe_grouped = group_moe_layers(self.model, device, self.dtype, half_weights,
+                                            registries)
         rest = prepack_linears(self.model, device, self.dtype, half_weights, registries)
         if not parts:
             return rest

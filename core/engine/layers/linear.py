@@ -177,6 +177,9 @@ def plugin_kernel(registries, device: torch.device, dtype: torch.dtype, half_wei
     from engine.registry import EngineError, resolve_linear_kernel
 
     weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
+    if weight_dtype is None and forced != "auto" and dtype == torch.float32 and \
+            torch.device(device).type == "cpu":
+        weight_dtype = "float32"  # a float32 kernel by name (by default: MoE experts only)
     if weight_dtype is None:
         if forced != "auto":
             raise EngineError(f"{LINEAR_KERNEL_ENV}={forced} asks for a plugin's linear kernel, "
@@ -204,7 +207,7 @@ def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
             if isinstance(module, PrepackedWeight) and not module.packed:
                 module.prepack("plugin", keep_plain=module.tied, kernel=entry.obj)
                 n += 1
-        weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
+        weight_dtype = entry.extra.get("weight_dtype")
         return f"linear layers: {n} {weight_dtype} weights, {kernel_label(entry)}"
     if half_weights:
         kind = "fp16"

@@ -29,6 +29,12 @@ slice of every expert, or whole experts of its own (``--ep-size``), the others s
 ``AbsentExpert``; its sum is partial and one all-reduce over the group completes the block
 (``tp.all_reduce``, after the cast to the model's dtype, as a dense row-parallel layer's).
 
+On a CPU, where a plugin's linear kernel with a grouped GEMM runs the experts' weight dtype
+(layers/moe_grouped.py; engine-cpu-kernels' for float32, float16 and bfloat16 weights), the
+experts run in two calls into it (gate_up for every expert's rows, SiLU-and-multiply, down)
+instead of the loop below (``grouped``): the same arithmetic per expert, the threads spread
+over all experts' weight tiles rather than over one expert's few rows at a time.
+
 The expert loop reads the per-expert counts on the host: fine on a CPU; on a GPU it syncs
 once per layer and cannot be captured in a CUDA graph (the MoE models refuse those), and
 ``torch.compile`` leaves the block out of its graph (``torch.compiler.disable``). On CUDA the
@@ -105,6 +111,8 @@ class SparseMoE(nn.Module):
 
     # the fused GPU kernel over the stacked experts (layers/moe_fused.py), None: the loop
     fused = None
+    # the CPU grouped GEMMs over the packed experts (layers/moe_grouped.py), None: the loop
+    grouped = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, names: tuple[str, str, str] = ("gate_proj", "up_proj",
@@ -140,15 +148,20 @@ class SparseMoE(nn.Module):
             return self.fused(x, weights, ids)
         flat = ids.reshape(-1)  # [T * k] (token, expert) pairs, token-major
         order = torch.sort(flat, stable=True).indices  # grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         tokens = order // k  # each pair's token, in expert order
         pair_weights = weights.reshape(-1)[order].unsqueeze(-1)
         rows = x.index_select(0, tokens)
         # each expert's weighted rows are added straight into their tokens' sums (float32
         # for half models: one rounding at the end, as a sum over the k experts would)
         out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+        if self.grouped is not None:  # every expert's rows in two calls (absent ones: zero)
+            y = self.grouped(rows, counts)
+            y = y.mul_(pair_weights) if y.dtype == pair_weights.dtype == out.dtype else \
+                (y * pair_weights).to(out.dtype)
+            return out.index_add_(0, tokens, y)
         start = 0
-        for expert, n in zip(self.experts, counts):
+        for expert, n in zip(self.experts, counts.tolist()):
             end = start + n
             if n and not isinstance(expert, AbsentExpert):
                 y = expert(rows[start:end])

@@ -5,7 +5,8 @@ built on first use with the system compiler."""
 
 from engine import hookimpl
 
-ENGINE_HOOKS_VERSION = "1.3"  # register_linear_kernels; 1.3: CPU graph nodes, activations=
+ENGINE_HOOKS_VERSION = "1.6"  # register_linear_kernels; 1.3: CPU graph nodes, activations=;
+# 1.6: grouped GEMMs (LinearKernel.group / grouped_linear) and float32 kernels for MoE experts
 
 
 def _checker(kernel):
@@ -21,6 +22,8 @@ def register_linear_kernels(register):
     priority = {"avx512_bf16": 30, "avx512_bf16_fma": 20, "avx512_fp16": 30,
                 "avx512_q8_0": 30, "avx2_bf16": 10, "avx2_fp16": 10, "avx2_q8_0": 10,
                 "avx512_q4_0": 30, "avx512_q4_1": 30, "avx2_q4_0": 10, "avx2_q4_1": 10,
+                # float32 weights: an MoE layer's experts (grouped GEMM) in a float32 model
+                "avx512_f32": 30, "avx2_f32": 10,
                 # GGUF blocks: weight-only (float32 activations) before int8 activations, so
                 # that a GGUF model answers as its dequantized float32 weights do; the int8
                 # ones by name (ENGINE_LINEAR_KERNEL=avx512_q4_1) or for a quantization method

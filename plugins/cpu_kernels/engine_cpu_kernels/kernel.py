@@ -29,12 +29,14 @@ FMT_F16, FMT_BF16, FMT_BF16_PAIRS, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = 0, 1, 2, 3, 4,
 # FMT_Q4_0 / FMT_Q4_1), float32 activations, weights dequantized in registers
 FMT_Q8_0_F32, FMT_Q4_0_F32, FMT_Q4_1_F32 = 6, 7, 8
 WEIGHT_ONLY = {FMT_Q8_0: FMT_Q8_0_F32, FMT_Q4_0: FMT_Q4_0_F32, FMT_Q4_1: FMT_Q4_1_F32}
+FMT_F32 = 9  # float32 weights in k-major tiles (an MoE layer's experts in a float32 model)
 ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 DT_F32, DT_BF16 = 0, 1
 FEAT_AVX2, FEAT_AVX512, FEAT_AVX512_BF16, FEAT_AVX512_VNNI = 1, 2, 4, 8
 ERRORS = {-1: "unknown weight format", -2: "instruction set not available on this CPU",
           -3: "K (in_features) must be a multiple of 32 for a block format",
-          -4: "out of memory", -5: "unsupported"}
+          -4: "out of memory", -5: "unsupported",
+          -6: "bad arguments (expert row offsets not ascending from 0 to the rows)"}
 ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 ISA_ENV = "ENGINE_CPU_ISA"  # "avx2" / "scalar": cap the instruction set (tests, comparisons)
 
@@ -54,6 +56,10 @@ def load() -> ctypes.CDLL:
     lib.ek_pack_half.argtypes, lib.ek_pack_half.restype = [INT, P, I64, I64, P, INT], INT
     lib.ek_pack_q8_0.argtypes, lib.ek_pack_q8_0.restype = [P, P, I64, I64, P, INT], INT
     lib.ek_pack_gguf_q4.argtypes, lib.ek_pack_gguf_q4.restype = [INT, P, I64, I64, P, INT], INT
+    lib.ek_pack_f32.argtypes, lib.ek_pack_f32.restype = [P, I64, I64, P, INT], INT
+    lib.ek_grouped_linear.argtypes = [INT, INT, P, INT, I64, I64, I64, P, P, I64, I64, P, INT,
+                                      I64, INT]
+    lib.ek_grouped_linear.restype = INT
     lib.ek_unpack.argtypes, lib.ek_unpack.restype = [INT, P, I64, I64, P], INT
     lib.ek_linear.argtypes = [INT, INT, P, INT, I64, I64, I64, P, I64, P, P, INT, I64, INT]
     lib.ek_linear.restype = INT

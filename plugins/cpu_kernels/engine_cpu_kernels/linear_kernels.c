@@ -24,6 +24,8 @@
  *                  Few rows (the decode regime) run fused kernels (nibbles / int8 widened to
  *                  float and FMA'd against the activations, per block sum times d); more rows
  *                  dequantize the tile to float32 scratch once and run the float32 kernels.
+ *   FMT_F32        float32 weights, k-major tiles of 32 output rows: tile[k][32] (an MoE
+ *                  layer's experts in a float32 model: ek_grouped_linear)
  *
  * Each tile holds 32 output rows (N is padded to a multiple of 32 with zeros), and a tile's
  * bytes are contiguous in the order the kernel reads them, so one pass streams the weights.
@@ -43,6 +45,11 @@
  * before this library). Rows are processed in chunks of 64 so that a chunk's activations stay
  * in cache while the weights stream; within a chunk, register-blocked micro-kernels run
  * MR rows x 32 columns at a time.
+ *
+ * ek_grouped_linear runs many such GEMMs in one call, an MoE layer's experts: each expert's
+ * rows of a sorted activation matrix times its own packed weight, every (expert, tile) pair a
+ * work item that the threads claim, so that both threads stream weights however few rows each
+ * expert has.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -66,12 +73,13 @@
 enum { FMT_F16 = 0, FMT_BF16 = 1, FMT_BF16_PAIRS = 2, FMT_Q8_0 = 3, FMT_Q4_0 = 4, FMT_Q4_1 = 5,
        /* weight-only modes of the block formats: the same packed bytes (FMT_Q8_0 / Q4_0 /
         * Q4_1), float32 activations, the weights dequantized in registers */
-       FMT_Q8_0_F32 = 6, FMT_Q4_0_F32 = 7, FMT_Q4_1_F32 = 8 };
+       FMT_Q8_0_F32 = 6, FMT_Q4_0_F32 = 7, FMT_Q4_1_F32 = 8,
+       FMT_F32 = 9 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_AVX512_BF16 = 4, FEAT_AVX512_VNNI = 8 };
 enum { EK_OK = 0, EK_BAD_FORMAT = -1, EK_BAD_ISA = -2, EK_BAD_K = -3, EK_NO_MEMORY = -4,
-       EK_UNSUPPORTED = -5 };
+       EK_UNSUPPORTED = -5, EK_BAD_ARGS = -6 };
 
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define T_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -84,6 +92,9 @@ enum { EK_OK = 0, EK_BAD_FORMAT = -1, EK_BAD_ISA = -2, EK_BAD_K = -3, EK_NO_MEMO
  * prefetch only for several rows: one row streams as fast as the hardware prefetchers alone
  * bring the tiles (Q4_1 and Q8_0 measured 3-15% faster at one row without it). */
 #define PF(p) do { if (pf) _mm_prefetch((const char *)(p), _MM_HINT_T0); } while (0)
+/* into L2 only: FMT_F32 tiles (128 KiB at K 1024) prefetched a tile ahead; into L1 they
+ * evicted the running tile (the Qwen3-MoE expert GEMMs at 256 tokens: 22.0 -> 17.6 ms) */
+#define PF2(p) do { if (pf) _mm_prefetch((const char *)(p), _MM_HINT_T1); } while (0)
 
 /* ---------------------------------------------------------------- features */
 
@@ -184,6 +195,7 @@ int64_t ek_packed_bytes(int fmt, int64_t N, int64_t K) {
     switch (fmt) {
     case FMT_F16:
     case FMT_BF16: return nt * K * NR * 2;
+    case FMT_F32: return nt * K * NR * 4;
     case FMT_BF16_PAIRS: return nt * ((K + 1) / 2 * 2) * NR * 2;
     case FMT_Q8_0: return K % QK ? EK_BAD_K : nt * (K / QK) * Q8_TILE_BLOCK;
     case FMT_Q4_0: return K % QK ? EK_BAD_K : nt * (K / QK) * Q4_0_TILE_BLOCK;
@@ -219,6 +231,19 @@ int ek_pack_half(int fmt, const uint16_t *src, int64_t N, int64_t K, uint16_t *d
         return EK_OK;
     }
     return EK_BAD_FORMAT;
+}
+
+/* FMT_F32: src [N, K] float32 (row stride K) -> tiles [k][32] */
+int ek_pack_f32(const float *src, int64_t N, int64_t K, float *dst, int nthreads) {
+    int64_t nt = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t j = 0; j < NR; j++) {
+            int64_t n = t * NR + j;
+            float *d = dst + t * K * NR + j;
+            for (int64_t k = 0; k < K; k++) d[k * NR] = n < N ? src[n * K + k] : 0.0f;
+        }
+    return EK_OK;
 }
 
 /* Q8_0: q [N, K] int8, d [N, K / 32] float16 bits (a GGUF Q8_0 tensor's blocks, split). */
@@ -300,6 +325,8 @@ int ek_unpack(int fmt, const void *packed, int64_t N, int64_t K, float *dst) {
             if (fmt == FMT_F16 || fmt == FMT_BF16) {
                 uint16_t h = ((const uint16_t *)packed)[t * K * NR + k * NR + j];
                 v = fmt == FMT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+            } else if (fmt == FMT_F32) {
+                v = ((const float *)packed)[t * K * NR + k * NR + j];
             } else if (fmt == FMT_BF16_PAIRS) {
                 v = bf16_to_f32(
                     ((const uint16_t *)packed)[t * kp * NR + (k / 2) * NR * 2 + j * 2 + (k & 1)]);
@@ -773,25 +800,35 @@ T_AVX2 static void mk_avx2_q4(int fmt, const int8_t *xq, const float *dx, const 
 #define MR_512_Q8 4
 
 T_512 INLINE __m512 ld16_512(const void *p, const int fmt) {
-    if (fmt == -1) return _mm512_loadu_ps((const float *)p);
+    if (fmt < 0) return _mm512_loadu_ps((const float *)p);
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-T_512 INLINE void mk_512_impl(const float *x, int64_t ldx, const void *wt, int64_t K, float *c,
-                              const int MR, const int fmt, const char *pf) {
+/* acc 0: c = x . w over K; acc 1: c += it (a chunk of K after the first) */
+T_512 INLINE void mk_512_acc(const float *x, int64_t ldx, const void *wt, int64_t K, float *c,
+                             const int MR, const int fmt, const char *pf, const int acc) {
     __m512 a0[MR_512], a1[MR_512];
-    const int es = fmt == -1 ? 4 : 2;
+    const int es = fmt < 0 ? 4 : 2;
+    /* bytes of the next tile per k to prefetch: fmt -2 is a packed float32 weight (FMT_F32,
+     * the next tile float32 too); -1 a converted tile whose next one is still half */
+    const int ps = fmt == -2 ? 4 : 2;
     const char *w = (const char *)wt;
 #pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; i++) {
+        a0[i] = acc ? _mm512_loadu_ps(c + i * NR) : _mm512_setzero_ps();
+        a1[i] = acc ? _mm512_loadu_ps(c + i * NR + 16) : _mm512_setzero_ps();
+    }
     int64_t k = 0;
     if (MR == 1) { /* decode: two k per step, four independent accumulators */
         __m512 b0 = _mm512_setzero_ps(), b1 = b0;
         for (; k + 1 < K; k += 2) {
-            PF(pf + k * NR * 2);
-            PF(pf + k * NR * 2 + 64);
+#pragma GCC unroll 4
+            for (int o = 0; o < 2 * ps * NR; o += 64) {
+                if (fmt == -2) PF2(pf + k * NR * ps + o);
+                else PF(pf + k * NR * ps + o);
+            }
             a0[0] = _mm512_fmadd_ps(ld16_512(w + (k * NR) * es, fmt), _mm512_set1_ps(x[k]), a0[0]);
             a1[0] = _mm512_fmadd_ps(ld16_512(w + (k * NR + 16) * es, fmt), _mm512_set1_ps(x[k]), a1[0]);
             b0 = _mm512_fmadd_ps(ld16_512(w + (k * NR + 32) * es, fmt), _mm512_set1_ps(x[k + 1]), b0);
@@ -801,7 +838,11 @@ T_512 INLINE void mk_512_impl(const float *x, int64_t ldx, const void *wt, int64
         a1[0] = _mm512_add_ps(a1[0], b1);
     }
     for (; k < K; k++) {
-        PF(pf + k * NR * 2);
+#pragma GCC unroll 2
+        for (int o = 0; o < ps * NR; o += 64) {
+            if (fmt == -2) PF2(pf + k * NR * ps + o);
+            else PF(pf + k * NR * ps + o);
+        }
         __m512 w0 = ld16_512(w + (k * NR) * es, fmt), w1 = ld16_512(w + (k * NR + 16) * es, fmt);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
@@ -815,6 +856,11 @@ T_512 INLINE void mk_512_impl(const float *x, int64_t ldx, const void *wt, int64
         _mm512_storeu_ps(c + i * NR, a0[i]);
         _mm512_storeu_ps(c + i * NR + 16, a1[i]);
     }
+}
+
+T_512 INLINE void mk_512_impl(const float *x, int64_t ldx, const void *wt, int64_t K, float *c,
+                              const int MR, const int fmt, const char *pf) {
+    mk_512_acc(x, ldx, wt, K, c, MR, fmt, pf, 0);
 }
 
 #define MR_CASES(CALL)                                                                        \
@@ -844,6 +890,20 @@ T_512 static void mk_512_f32(const float *x, int64_t ldx, const void *wt, int64_
 #define C(R) mk_512_impl(x, ldx, wt, K, c, R, -1, pf)
     MR_CASES(C)
 #undef C
+}
+
+/* FMT_F32 weights: as mk_512_f32, prefetching the next float32 tile; acc: onto c */
+T_512 static void mk_512_w32(const float *x, int64_t ldx, const void *wt, int64_t K, float *c, int mr,
+                             const char *pf, int acc) {
+    if (acc) {
+#define C(R) mk_512_acc(x, ldx, wt, K, c, R, -2, pf, 1)
+        MR_CASES(C)
+#undef C
+    } else {
+#define C(R) mk_512_acc(x, ldx, wt, K, c, R, -2, pf, 0)
+        MR_CASES(C)
+#undef C
+    }
 }
 
 T_512 static void tile_to_f32_512(int fmt, const uint16_t *w, int64_t K, float *out) {
@@ -1480,6 +1540,7 @@ typedef struct {
 
 static int64_t tile_bytes(int fmt, int64_t K) {
     fmt = base_fmt(fmt);
+    if (fmt == FMT_F32) return K * NR * 4;
     if (fmt == FMT_Q8_0) return K / QK * Q8_TILE_BLOCK;
     if (is_q4(fmt)) return K / QK * q4_tile_block(fmt);
     return (fmt == FMT_BF16_PAIRS ? (K + 1) / 2 * 2 : K) * NR * 2;
@@ -1542,13 +1603,54 @@ static int run_tile_wo(const job_t *j, const char *wt, const char *next, int64_t
     return EK_OK;
 }
 
-/* rows [m0, m0 + rows) of tile t; the first micro-kernel pass prefetches tile t + 1 unless
- * `last` */
-static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t rows, float *c) {
-    const int fmt = j->fmt, isa = j->isa;
-    const int64_t K = j->K, nb = K / QK, kp = (K + 1) / 2 * 2, tb = tile_bytes(fmt, K);
-    const char *wt = (const char *)j->w + t * tb, *next = last ? NULL : wt + tb;
+#define AVX2_F32_KC 16 /* k per pass of the AVX2 float32 micro-kernels over an FMT_F32 tile (2 KiB, L1: the
+                        * Qwen3-MoE expert GEMMs at 256 tokens 8-16 best, 64 1.4x slower) */
+#ifndef MR_512_F32
+#define MR_512_F32 8
+#endif
+#ifndef AVX512_F32_KC
+#define AVX512_F32_KC 128 /* k per chunk of an FMT_F32 tile for more than 12 rows (16 KiB) */
+#endif
 
+/* FMT_F32: the tile's own float32 weights through the float32 micro-kernels */
+static int run_tile_f32(const job_t *j, const char *wt, const char *next, int64_t m0,
+                        int64_t rows, float *c) {
+    const int64_t K = j->K;
+    const float *x = (const float *)j->xa + m0 * j->ldx, *w = (const float *)wt;
+    if (j->isa == ISA_SCALAR) {
+        mk_scalar_f32(x, j->ldx, w, K, c, (int)rows);
+    } else if (j->isa == ISA_AVX2) { /* AVX2_F32_KC k at a time (in L1 for every pass) */
+        const char *pf = next;
+        for (int64_t k0 = 0; k0 < K; k0 += AVX2_F32_KC) {
+            int64_t kc = K - k0 < AVX2_F32_KC ? K - k0 : AVX2_F32_KC;
+            for (int64_t o = 0; o < kc * NR * 4; o += 64) PF2(pf + k0 * NR * 4 + o);
+            avx2_chunk_passes(x, j->ldx, w + k0 * NR, k0, kc, c, rows);
+        }
+    } else if (rows <= MR_512_F32) { /* one pass streams the tile */
+        mk_512_w32(x, j->ldx, w, K, c, (int)rows, next, 0);
+    } else { /* AVX512_F32_KC k at a time, every pass over it while in L1, the next tile's
+              * same k prefetched by the first pass */
+        for (int64_t k0 = 0; k0 < K; k0 += AVX512_F32_KC) {
+            int64_t kc = K - k0 < AVX512_F32_KC ? K - k0 : AVX512_F32_KC;
+            for (int64_t i = 0; i < rows;) {
+                int mr = rows - i < MR_512_F32 ? (int)(rows - i) : MR_512_F32;
+                mk_512_w32(x + i * j->ldx + k0, j->ldx, w + k0 * NR, kc, c + i * NR, mr,
+                           i == 0 && next ? next + k0 * NR * 4 : NULL, k0 > 0);
+                i += mr;
+            }
+        }
+    }
+    return EK_OK;
+}
+
+/* rows [m0, m0 + rows) of the tile at wt; the first micro-kernel pass prefetches `next` (the
+ * tile to run next, or NULL) */
+static int run_tile_at(const job_t *j, const char *wt, const char *next, int64_t m0,
+                       int64_t rows, float *c) {
+    const int fmt = j->fmt, isa = j->isa;
+    const int64_t K = j->K, nb = K / QK, kp = (K + 1) / 2 * 2;
+
+    if (fmt == FMT_F32) return run_tile_f32(j, wt, next, m0, rows, c);
     if (is_wo(fmt)) return run_tile_wo(j, wt, next, m0, rows, c);
     if (is_q4(fmt)) {
         const int8_t *xq = (const int8_t *)j->xa + m0 * j->ldx;
@@ -1643,6 +1745,14 @@ static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t row
     return EK_OK;
 }
 
+/* rows [m0, m0 + rows) of tile t; the first micro-kernel pass prefetches tile t + 1 unless
+ * `last` */
+static int run_tile(const job_t *j, int64_t t, int last, int64_t m0, int64_t rows, float *c) {
+    const int64_t tb = tile_bytes(j->fmt, j->K);
+    const char *wt = (const char *)j->w + t * tb;
+    return run_tile_at(j, wt, last ? NULL : wt + tb, m0, rows, c);
+}
+
 /* tiles [t0, t1) of every row of the job: the micro-kernels into c, then the epilogue */
 static int run_tiles(const job_t *j, int64_t t0, int64_t t1) {
     float c[M_CHUNK * NR] __attribute__((aligned(64)));
@@ -1664,7 +1774,7 @@ static int run_tiles(const job_t *j, int64_t t0, int64_t t1) {
 }
 
 static int check_args(int fmt, int isa, int64_t K) {
-    if (fmt < FMT_F16 || fmt > FMT_Q4_1_F32) return EK_BAD_FORMAT;
+    if (fmt < FMT_F16 || fmt > FMT_F32) return EK_BAD_FORMAT;
     if (!isa_ok(fmt, isa)) return EK_BAD_ISA;
     if ((fmt == FMT_Q8_0 || is_q4(fmt) || is_wo(fmt)) && K % QK) return EK_BAD_K;
     if (fmt == FMT_BF16_PAIRS && isa != ISA_AVX512 && isa != ISA_SCALAR) return EK_BAD_ISA;
@@ -1713,6 +1823,93 @@ int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, in
             status = s;
         }
     }
+    return status;
+}
+
+/* ---------------------------------------------------------------- grouped (MoE experts) */
+
+/* An MoE layer's experts in one call: rows [offsets[e], offsets[e + 1]) of x (R rows, sorted
+ * by expert) times expert e's packed weight w[e] (N x K, all in format fmt) into the same rows
+ * of y; an expert whose w[e] is NULL (held by another rank) gets zero rows. The activations
+ * are prepared once for all R rows (int8 blocks, bfloat16 pairs, block sums: per row, so the
+ * same for every expert); the (expert, output tile) pairs are the work items, in expert order,
+ * claimed in runs by the threads (an expert's few rows would leave a thread idle if the
+ * threads split each expert's tiles), each pass prefetching the run's next tile. */
+int ek_grouped_linear(int fmt, int isa, const void *x, int xdt, int64_t R, int64_t K,
+                      int64_t ldx, const void *const *w, const int64_t *offsets, int64_t E,
+                      int64_t N, void *y, int ydt, int64_t ldy, int nthreads) {
+    int bad = check_args(fmt, isa, K);
+    if (bad != EK_OK) return bad;
+    if (R <= 0 || N <= 0 || E <= 0) return EK_OK;
+    if (offsets[0] != 0 || offsets[E] != R) return EK_BAD_ARGS;
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] < offsets[e]) return EK_BAD_ARGS;
+    job_t j = {fmt, isa, NULL, 0, NULL, NULL, NULL, R, N, K, NULL, y, ydt, ldy};
+    if (is_wo(fmt)) {
+        j.xa = act_wo(x, xdt, R, K, ldx, fmt == FMT_Q4_1_F32 && isa != ISA_SCALAR, &j.ldx,
+                      (float **)&j.dx);
+    } else if (fmt == FMT_Q8_0 || is_q4(fmt)) {
+        float *dx = NULL;
+        int32_t *sx = NULL;
+        j.xa = act_q8(x, xdt, R, K, ldx, fmt == FMT_Q8_0 && isa == ISA_AVX512, isa, &dx, &sx);
+        j.ldx = K;
+        j.dx = dx;
+        j.sx = sx;
+    } else if (fmt == FMT_BF16_PAIRS) {
+        j.xa = act_bf16(x, xdt, R, K, ldx, &j.ldx);
+    } else {
+        j.xa = act_f32(x, xdt, R, K, ldx, &j.ldx);
+    }
+    if (!j.xa) return EK_NO_MEMORY;
+    const int64_t es = ydt == DT_F32 ? 4 : 2, nt = (N + NR - 1) / NR, tb = tile_bytes(fmt, K);
+    int64_t *active = malloc((size_t)E * sizeof(int64_t)), na = 0;
+    if (!active) return EK_NO_MEMORY;
+    for (int64_t e = 0; e < E; e++) {
+        if (offsets[e + 1] == offsets[e]) continue;
+        if (w[e]) {
+            active[na++] = e;
+        } else {
+            for (int64_t r = offsets[e]; r < offsets[e + 1]; r++)
+                memset((char *)y + r * ldy * es, 0, (size_t)(N * es));
+        }
+    }
+    const int64_t items = na * nt;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > items) nthreads = items > 0 ? (int)items : 1;
+    int64_t run = items / (8 * nthreads);
+    if (run < 1) run = 1;
+    int64_t claimed = 0;
+    int status = EK_OK;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float c[M_CHUNK * NR] __attribute__((aligned(64)));
+        int s = EK_OK;
+        for (;;) {
+            int64_t i0 = __atomic_fetch_add(&claimed, run, __ATOMIC_RELAXED);
+            if (i0 >= items) break;
+            int64_t i1 = i0 + run < items ? i0 + run : items;
+            for (int64_t i = i0; i < i1; i++) {
+                int64_t e = active[i / nt], t = i % nt;
+                const char *wt = (const char *)w[e] + t * tb, *next = NULL;
+                if (i + 1 < i1)
+                    next = (const char *)w[active[(i + 1) / nt]] + ((i + 1) % nt) * tb;
+                for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += M_CHUNK) {
+                    int64_t rows = offsets[e + 1] - m0 < M_CHUNK ? offsets[e + 1] - m0 : M_CHUNK;
+                    int r = run_tile_at(&j, wt, m0 == offsets[e] ? next : NULL, m0, rows, c);
+                    if (r != EK_OK) {
+                        s = r;
+                        continue;
+                    }
+                    epilogue(c, rows, t * NR, N, NULL, (char *)y + m0 * ldy * es, ydt, ldy);
+                }
+            }
+        }
+        if (s != EK_OK) {
+#pragma omp atomic write
+            status = s;
+        }
+    }
+    free(active);
     return status;
 }
 

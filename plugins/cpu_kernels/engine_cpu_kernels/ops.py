@@ -19,14 +19,15 @@ from engine.interfaces import LinearKernel
 from engine_cpu_kernels import kernel as K_
 from engine_cpu_kernels.kernel import (DT_BF16, DT_F32, FEAT_AVX2, FEAT_AVX512,
                                        FEAT_AVX512_BF16, FEAT_AVX512_VNNI, FMT_BF16,
-                                       FMT_BF16_PAIRS, FMT_F16, FMT_Q4_0, FMT_Q4_1, FMT_Q8_0,
+                                       FMT_BF16_PAIRS, FMT_F16, FMT_F32, FMT_Q4_0, FMT_Q4_1,
+                                       FMT_Q8_0,
                                        ISA_AVX2, ISA_AVX512, WEIGHT_ONLY,
                                        ISA_SCALAR, KernelUnavailable, check_status)
 from engine_cpu_kernels.quantize import (GGUF_BLOCKS, QK, quantize_gguf,  # noqa: F401
                                          quantize_q4_0, quantize_q4_1, quantize_q8_0)
 
 FORMAT_NAMES = {FMT_F16: "float16", FMT_BF16: "bfloat16", FMT_BF16_PAIRS: "bfloat16 pairs",
-                FMT_Q8_0: "q8_0", FMT_Q4_0: "q4_0", FMT_Q4_1: "q4_1"}
+                FMT_Q8_0: "q8_0", FMT_Q4_0: "q4_0", FMT_Q4_1: "q4_1", FMT_F32: "float32"}
 ISA_LABEL = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 X_DTYPES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16}
 
@@ -61,7 +62,10 @@ def pack(weight: torch.Tensor, fmt: int, threads: int | None = None) -> Packed:
     check_status(min(size, 0), f"packing a {n} x {k} weight as {FORMAT_NAMES.get(fmt, fmt)}")
     out = torch.empty(size, dtype=torch.uint8)
     threads = threads or torch.get_num_threads()
-    if fmt == FMT_Q8_0:
+    if fmt == FMT_F32:
+        src = weight.detach().float().contiguous()
+        status = lib.ek_pack_f32(src.data_ptr(), n, k, out.data_ptr(), threads)
+    elif fmt == FMT_Q8_0:
         q, d = quantize_q8_0(weight)
         status = lib.ek_pack_q8_0(q.data_ptr(), d.data_ptr(), n, k, out.data_ptr(), threads)
     else:
@@ -168,6 +172,68 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
     return y if flat and out is None else y.view(*shape[:-1], n)
 
 
+@dataclass(eq=False)
+class Group:
+    """The packed weights of an MoE layer's experts (None: an expert another rank holds), all
+    one format and shape, as :func:`grouped_linear` takes them: their addresses in one C
+    array, built once."""
+
+    packed: list
+    fmt: int
+    n: int
+    k: int
+
+    def __post_init__(self):
+        self.ptrs = (ctypes.c_void_p * len(self.packed))(
+            *[None if p is None else p.ptr for p in self.packed])
+
+
+def group(packed: list) -> Group:
+    """:class:`Group` of ``packed`` (a list of :class:`Packed` or None, one per expert)."""
+    held = [p for p in packed if p is not None]
+    if not held:
+        raise ValueError("a group of experts needs at least one packed weight")
+    shapes = {(p.fmt, p.n, p.k) for p in held}
+    if len(shapes) > 1:
+        raise ValueError(f"the experts' packed weights differ in format or shape: "
+                         f"{sorted(shapes)}")
+    return Group(list(packed), *shapes.pop())
+
+
+def grouped_linear(x: torch.Tensor, grp: Group, offsets: torch.Tensor, isa: int = ISA_AVX512,
+                   weight_only: bool = False) -> torch.Tensor:
+    """The experts' GEMMs in one call: rows ``offsets[e]:offsets[e + 1]`` of ``x`` [R, k]
+    (float32 or bfloat16; sorted by expert) times expert e's weight, into the same rows of the
+    result [R, n] (x's dtype); the rows of an expert without a weight (None) are zero.
+    ``offsets``: int64 [E + 1], 0 to R, ascending."""
+    fmt = grp.fmt
+    if weight_only:
+        fmt = WEIGHT_ONLY.get(fmt)
+        if fmt is None:
+            raise ValueError(f"weight-only runs the block formats ({', '.join(GGUF_BLOCKS)}), "
+                             f"not {FORMAT_NAMES.get(grp.fmt, grp.fmt)}")
+    dt = X_DTYPES.get(x.dtype)
+    if dt is None or not x.is_cpu or x.dim() != 2 or x.shape[1] != grp.k:
+        raise ValueError(f"the grouped CPU GEMM takes float32 or bfloat16 x [rows, {grp.k}] on "
+                         f"a CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    experts = len(grp.packed)
+    if offsets.dtype != torch.int64 or offsets.shape != (experts + 1,) or not offsets.is_cpu:
+        raise ValueError(f"offsets must be int64 [{experts + 1}] on the CPU, got "
+                         f"{offsets.dtype} {tuple(offsets.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    offsets = offsets.contiguous()
+    rows = x.shape[0]
+    y = torch.empty((rows, grp.n), dtype=x.dtype)
+    status = K_.load().ek_grouped_linear(fmt, isa, x.data_ptr(), dt, rows, grp.k, x.stride(0),
+                                         grp.ptrs, offsets.data_ptr(), experts, grp.n,
+                                         y.data_ptr(), dt, grp.n, torch.get_num_threads())
+    if status:
+        check_status(status, f"grouped {FORMAT_NAMES[grp.fmt]} GEMM on "
+                             f"{ISA_LABEL.get(isa, isa)}")
+    return y
+
+
 def graph_nodes(packed: Packed, bias, x: torch.Tensor, y: torch.Tensor, max_rows: int,
                 isa: int = ISA_AVX512, weight_only: bool = False) -> list:
     """CPU-graph nodes computing ``y[:rows] = x[:rows] @ unpack(packed).T + bias`` for the
@@ -271,6 +337,15 @@ class CPUGemm(LinearKernel):
     def packed_bytes(self, packed: Packed) -> int:
         return packed.nbytes
 
+    def group(self, packed: list) -> Group:
+        """An MoE layer's experts' packed weights (None: absent) for :meth:`grouped_linear`."""
+        return group(packed)
+
+    def grouped_linear(self, x: torch.Tensor, grp: Group, offsets: torch.Tensor):
+        """Every expert's rows of ``x`` (sorted by expert, ``offsets`` [E + 1]) times its
+        weight, in one call into C: :func:`grouped_linear`."""
+        return grouped_linear(x, grp, offsets, self.isa, self.weight_only)
+
     def graph_nodes(self, packed: Packed, bias, x: torch.Tensor, y: torch.Tensor,
                     max_rows: int) -> list:
         """The CPU-graph nodes of this linear (engine.cpu_graph): ``y[:rows] = x[:rows] @
@@ -292,6 +367,10 @@ KERNELS = [
             "float16 weights converted to float32 (vcvtph2ps), AVX-512 FMA"),
     CPUGemm("avx2_fp16", "float16", FMT_F16, ISA_AVX2, A2,
             "float16 weights converted to float32 (F16C), AVX2 FMA"),
+    CPUGemm("avx512_f32", "float32", FMT_F32, ISA_AVX512, A512,
+            "float32 weights, AVX-512 FMA (an MoE layer's experts: grouped GEMM)"),
+    CPUGemm("avx2_f32", "float32", FMT_F32, ISA_AVX2, A2,
+            "float32 weights, AVX2 FMA (an MoE layer's experts: grouped GEMM)"),
     CPUGemm("avx512_q8_0", "q8_0", FMT_Q8_0, ISA_AVX512, A512 | FEAT_AVX512_VNNI,
             "Q8_0 blocks x int8 activations per block, vpdpbusd (AVX512_VNNI)"),
     CPUGemm("avx2_q8_0", "q8_0", FMT_Q8_0, ISA_AVX2, A2,

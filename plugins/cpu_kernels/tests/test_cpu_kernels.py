@@ -45,7 +45,7 @@ def reachable(fmt: int, isa: int) -> str | None:
 
 PATHS = [pytest.param(fmt, isa, id=f"{ops.FORMAT_NAMES[fmt].replace(' ', '_')}-"
                                     f"{ops.ISA_LABEL[isa]}")
-         for fmt in (K.FMT_F16, K.FMT_BF16, K.FMT_BF16_PAIRS, K.FMT_Q8_0)
+         for fmt in (K.FMT_F16, K.FMT_BF16, K.FMT_BF16_PAIRS, K.FMT_Q8_0, K.FMT_F32)
          for isa in (K.ISA_SCALAR, K.ISA_AVX2, K.ISA_AVX512)
          if not (fmt == K.FMT_BF16_PAIRS and isa == K.ISA_AVX2)]
 
@@ -223,7 +223,8 @@ def test_forcing_a_kernel_the_model_cannot_use_is_an_error(tiny_model_dir, regis
                                                            cpu_device, monkeypatch):
     monkeypatch.delenv(K.ISA_ENV, raising=False)  # the run's own cap (an ENGINE_CPU_ISA run)
     monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "avx2_bf16")
-    with pytest.raises(EngineError, match="plugin kernels take --dtype float16 or bfloat16"):
+    with pytest.raises(BackendUnavailable,
+                       match="keeps bfloat16 weights and the model runs with float32 ones"):
         runner(tiny_model_dir, registries, cpu_device, "float32")
     with pytest.raises(BackendUnavailable, match="keeps bfloat16 weights"):
         runner(tiny_model_dir, registries, cpu_device, "float16")
