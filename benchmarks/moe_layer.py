@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.layers.linear import prepack_linears
+from engine.layers.linear import PrepackedWeight, prepack_linears
 from engine.layers.moe import SparseMoE
 from engine.layers.moe_grouped import group_moe_layers
 from engine.models.llama import MLP
@@ -86,6 +86,13 @@ def build(args) -> tuple[list[list[torch.nn.Module]], list[int], str]:
     from engine.plugins import get_registries
 
     registries, line = get_registries(), ""
+    block = None
+    if args.weights != "float32":  # every side's linears packed as GGUF blocks of that type
+        from engine.models.block_weights import block_kernel
+
+        block = block_kernel(registries, args.weights)
+        if block is None:
+            raise SystemExit(f"no usable linear kernel for {args.weights} blocks here")
     def dense_layer():
         return MLP(SimpleNamespace(hidden_size=args.hidden, mlp_bias=False,
                                    intermediate_size=args.top_k * args.expert_intermediate))
@@ -98,11 +105,16 @@ def build(args) -> tuple[list[list[torch.nn.Module]], list[int], str]:
     for side, make in enumerate((dense_layer, moe_layer, moe_layer)):
         layers = [make()]
         sizes.append(weight_bytes(layers[0]))
-        copies = max(2, -(-WORKING_SET // sizes[-1]))
+        # blocks hold 4.5-8.5 bits a weight: 4x the copies keep the working set out of cache
+        copies = max(2, -(-WORKING_SET // sizes[-1])) * (1 if block is None else 4)
         layers += [make() for _ in range(copies - 1)]
         for i, m in enumerate(layers):
             randomize(m, 100 * min(side, 1) + i)  # both MoE sides: the same weights
             m.eval()
+            if block is not None:
+                for lin in m.modules():
+                    if isinstance(lin, PrepackedWeight) and not lin.packed:
+                        lin.prepack("plugin", kernel=block.obj)
             if side == 2:
                 line = group_moe_layers(m, torch.device("cpu"), torch.float32, False,
                                         registries)
@@ -144,6 +156,10 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--expert-intermediate", type=int, default=256)
     ap.add_argument("--tokens", default="1,16,256")
+    ap.add_argument("--weights", default="float32", choices=["float32", "q4_1", "q4_0", "q8_0"],
+                    help="GGUF blocks: every linear of every side quantized to that type and "
+                         "run by the best kernel for it (the weight-only one: float32 "
+                         "activations), as a GGUF model's")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--profile", type=int, default=0, help="profile MoE calls at N tokens")
@@ -159,9 +175,9 @@ def main() -> None:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.shape}: hidden {args.hidden}, {args.experts} experts x "
           f"{args.expert_intermediate} top-{args.top_k} vs dense intermediate "
-          f"{args.top_k * args.expert_intermediate}; {len(dense)} dense and {len(moe)} MoE "
-          f"layer copies ({sizes[0] >> 20} and {sizes[1] >> 20} MiB "
-          f"each)")
+          f"{args.top_k * args.expert_intermediate}, {args.weights} weights; {len(dense)} dense "
+          f"and {len(moe)} MoE layer copies ({sizes[0] >> 20} and {sizes[1] >> 20} MiB "
+          f"each as float32)")
     if len(sides) == 3:
         print(line)
     names = ["loop", "grouped"][:len(sides) - 1]

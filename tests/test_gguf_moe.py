@@ -17,6 +17,9 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.layers.moe import Expert
+from engine.layers.moe_grouped import grouped_kernel
+from engine.models.block_weights import block_kernel
 from engine.runner import ModelRunner
 from engine_testing.checkpoints import MOE_CASES
 from engine_testing.generation import greedy_generate
@@ -147,6 +150,18 @@ def test_quantized_file_matches_its_dequantized_weights(family, qtype, tiny_mode
     hf = hf_model(dequantized_copy(tiny_model_factory(arch, **wide), path,
                                    str(tmp_path / "dequantized"), family))
     compare_prompt_logits(runner, hf, PROMPTS, LOGIT_TOL)
+    # where a kernel runs the experts' blocks as they are (Q8_0, Q4_0, Q4_1), the sparse
+    # layers run them grouped (the K-quants: dequantized, grouped as float32 where a float32
+    # kernel with a grouped GEMM runs); the logits above are the dequantized weights' either way
+    block = block_kernel(registries, qtype.lower()) if qtype.lower() in ("q8_0", "q4_0",
+                                                                          "q4_1") else None
+    experts = [m for m in runner.model.modules() if isinstance(m, Expert)]
+    if block is not None:
+        assert f"{block.name} kernel" in runner.moe_kernel, runner.moe_kernel
+        assert all(e.gate_up_proj.kernel is block.obj and e.down.kernel is block.obj
+                   for e in experts)
+    elif grouped_kernel(registries, cpu_device.torch_device, torch.float32, False)[0]:
+        assert "_f32 kernel (engine-cpu-kernels" in runner.moe_kernel, runner.moe_kernel
 
 
 def test_the_engine_serves_the_file_as_the_checkpoint(tiny_model_factory, tiny_gguf_factory):

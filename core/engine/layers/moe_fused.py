@@ -57,7 +57,8 @@ def device_reason(device: torch.device) -> str | None:
     return None
 
 
-def _plain(module: nn.Module) -> str | None:
+def plain_reason(module: nn.Module) -> str | None:
+    """None when ``module`` is a plain, unpacked, bias-free float Linear, else why not."""
     if not isinstance(module, Linear):
         return f"its expert projections are {type(module).__name__} (quantized?), not Linear"
     if isinstance(module, PrepackedWeight) and module.packed:
@@ -77,7 +78,7 @@ def layer_reason(moe: SparseMoE) -> str | None:
     shapes = set()
     for expert in held:
         for proj in (expert.gate_up_proj, expert.down):
-            problem = _plain(proj)
+            problem = plain_reason(proj)
             if problem:
                 return problem
         shapes.add((expert.gate_up_proj.weight.shape, expert.down.weight.shape,

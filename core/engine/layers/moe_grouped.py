@@ -11,7 +11,9 @@ expert the arithmetic is the loop's: the same kernel, packing and rows.
 kernel that runs the model's weight dtype here (float32: a kernel registered for "float32"
 weights, e.g. engine-cpu-kernels' ``avx512_f32``; float16 / bfloat16: the one the dense linears
 get) when it has a grouped GEMM, and sets ``SparseMoE.grouped``; experts already packed for such
-a kernel are grouped as they are. Elsewhere the loop runs, and the start log's ``MoE layers``
+a kernel are grouped as they are (a GGUF's Q4_0 / Q4_1 / Q8_0 expert blocks, which
+models/block_weights.py packed as they are in the file; gate_up and down may be in different
+formats, each projection its own kernel). Elsewhere the loop runs, and the start log's ``MoE layers``
 line says why (``ENGINE_MOE_KERNEL=per_expert`` keeps it on purpose)."""
 
 from __future__ import annotations
@@ -25,23 +27,27 @@ from torch import nn
 from engine.layers.linear import LINEAR_KERNEL_ENV, PrepackedWeight, kernel_label, \
     plugin_weight_dtype
 from engine.layers.moe import AbsentExpert, SparseMoE
-from engine.layers.moe_fused import MOE_KERNEL_ENV, layer_reason
+from engine.layers.moe_fused import MOE_KERNEL_ENV, plain_reason
 
 
 class GroupedExperts:
-    """A layer's experts as two groups of one kernel (gate_up, down): ``(rows, counts) ->
-    [rows, hidden]``, rows sorted by expert, ``counts`` int64 [experts]."""
+    """A layer's experts as two groups, each of one kernel ((kernel, group) for gate_up and for
+    down): ``(rows, counts) -> [rows, hidden]``, rows sorted by expert, ``counts`` int64
+    [experts]."""
 
-    def __init__(self, kernel, gate_up, down, intermediate: int):
-        self.kernel, self.gate_up, self.down = kernel, gate_up, down
-        self.intermediate = intermediate
+    def __init__(self, gate_up: tuple, down: tuple, intermediate: int):
+        self.gate_up, self.down, self.intermediate = gate_up, down, intermediate
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offsets = counts.new_zeros(counts.numel() + 1)
         torch.cumsum(counts, 0, out=offsets[1:])
-        h = self.kernel.grouped_linear(rows, self.gate_up, offsets)
-        gate, up = h.split(self.intermediate, dim=-1)
-        return self.kernel.grouped_linear(F.silu(gate).mul_(up), self.down, offsets)
+        (k1, g1), (k2, g2) = self.gate_up, self.down
+        gate, up = k1.grouped_linear(rows, g1, offsets).split(self.intermediate, dim=-1)
+        return k2.grouped_linear(F.silu(gate).mul_(up), g2, offsets)
+
+    @property
+    def kernels(self) -> list:
+        return [self.gate_up[0], self.down[0]]
 
 
 def _projections(moe: SparseMoE) -> list[list[nn.Module | None]]:
@@ -50,15 +56,21 @@ def _projections(moe: SparseMoE) -> list[list[nn.Module | None]]:
             for name in ("gate_up_proj", "down")]
 
 
-def _packed_kernel(moe: SparseMoE):
-    """The kernel every held expert projection is packed for ("plugin"), or None: not all
-    packed, or packed otherwise."""
-    kernels = {id(m.kernel): m.kernel for ms in _projections(moe) for m in ms if m is not None
-               and isinstance(m, PrepackedWeight) and m.packed_kind == "plugin"}
-    held = [m for ms in _projections(moe) for m in ms if m is not None]
-    if len(kernels) != 1 or any(not getattr(m, "packed", False) for m in held):
-        return None
-    return next(iter(kernels.values()))
+def _packed(modules: list) -> tuple[str, object]:
+    """How one projection's held experts are packed: ("none", None), ("plugin", kernel) when
+    all are for one plugin kernel, else ("mixed", why)."""
+    held = [m for m in modules if m is not None]
+    if not any(getattr(m, "packed", False) for m in held):
+        return "none", None
+    kernels = {id(m.kernel): m.kernel for m in held
+               if isinstance(m, PrepackedWeight) and m.packed_kind == "plugin"}
+    if len(kernels) == 1 and all(getattr(m, "packed", False) for m in held):
+        kernel = next(iter(kernels.values()))
+        if kernel.has_grouped:
+            return "plugin", kernel
+        return "mixed", f"its experts' kernel {type(kernel).__name__} has no grouped GEMM"
+    return "mixed", ("its experts' weights are packed for different kernels (blocks in "
+                     "several formats?)")
 
 
 def grouped_kernel(registries, device: torch.device, dtype: torch.dtype, half_weights: bool):
@@ -87,19 +99,40 @@ def grouped_kernel(registries, device: torch.device, dtype: torch.dtype, half_we
     return entry, None
 
 
-def group_layer(moe: SparseMoE, kernel) -> GroupedExperts:
-    """Pack ``moe``'s held experts for ``kernel`` (unless they are already) and set
-    ``moe.grouped``."""
-    gate_up, down = _projections(moe)
+def _plan(moe: SparseMoE, entry, why_not: str | None) -> tuple[list | None, str | None]:
+    """(gate_up's kernel, down's kernel) for ``moe``'s experts, or (None, why not): a
+    projection packed for a grouped kernel keeps it, one not packed takes ``entry``'s."""
+    if all(isinstance(e, AbsentExpert) for e in moe.experts):
+        return None, "a layer holds none of its experts"
+    kernels = []
+    for modules in _projections(moe):
+        how, what = _packed(modules)
+        if how == "mixed":
+            return None, what
+        if how == "plugin":
+            kernels.append(what)
+            continue
+        if entry is None:
+            return None, why_not
+        problem = next(filter(None, (plain_reason(m) for m in modules if m is not None)), None)
+        if problem is not None:
+            return None, problem
+        kernels.append(entry.obj)
+    return kernels, None
+
+
+def group_layer(moe: SparseMoE, kernels: list) -> GroupedExperts:
+    """Pack ``moe``'s held experts for ``kernels`` (gate_up's, down's; unless they are
+    packed already) and set ``moe.grouped``."""
     groups = []
-    for modules in (gate_up, down):
+    for modules, kernel in zip(_projections(moe), kernels):
         for m in modules:
             if m is not None and not m.packed:
                 m.prepack("plugin", kernel=kernel)
-        groups.append(kernel.group([None if m is None else m.packed_weight for m in modules]))
-    first = next(m for m in gate_up if m is not None)
-    intermediate = first.out_features // 2
-    moe.grouped = GroupedExperts(kernel, groups[0], groups[1], intermediate)
+        groups.append((kernel, kernel.group([None if m is None else m.packed_weight
+                                             for m in modules])))
+    first = next(m for m in _projections(moe)[0] if m is not None)
+    moe.grouped = GroupedExperts(groups[0], groups[1], first.out_features // 2)
     return moe.grouped
 
 
@@ -111,33 +144,23 @@ def group_moe_layers(model: nn.Module, device: torch.device, dtype: torch.dtype,
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if not layers or torch.device(device).type != "cpu":
         return ""
-    entry, reason = grouped_kernel(registries, device, dtype, half_weights)
-    plans = []
+    entry, why_not = grouped_kernel(registries, device, dtype, half_weights)
+    plans, reason = [], None
     for moe in layers:
-        packed = _packed_kernel(moe)
-        if packed is not None:
-            if not packed.has_grouped:
-                reason = f"its experts' kernel {type(packed).__name__} has no grouped GEMM"
-                break
-            plans.append((moe, packed))
-            continue
-        if entry is None:
+        kernels, reason = _plan(moe, entry, why_not)
+        if reason is not None:
             break
-        problem = layer_reason(moe)
-        if problem is not None:
-            reason = problem
-            break
-        plans.append((moe, entry.obj))
-    else:
-        reason = None
+        plans.append((moe, kernels))
     if reason is not None:
         return f"MoE layers: per-expert GEMMs, {len(layers)} layers ({reason})"
-    for moe, kernel in plans:
-        group_layer(moe, kernel)
+    for moe, kernels in plans:
+        group_layer(moe, kernels)
     first = plans[0][0]
     held = sum(not isinstance(e, AbsentExpert) for e in first.experts)
     experts = (f"{first.num_experts} experts" if held == first.num_experts else
                f"this rank's {held} of {first.num_experts} experts")
-    label = kernel_label(entry) if entry is not None else type(plans[0][1]).__name__
+    names = {id(k): k for _, ks in plans for k in ks}
+    labels = [kernel_label(entry) if entry is not None and k is entry.obj else
+              getattr(k, "name", type(k).__name__) + " kernel" for k in names.values()]
     return (f"MoE layers: grouped GEMMs (gate_up, then down, every expert in one call), "
-            f"{len(layers)} layers, {experts}, {label}")
+            f"{len(layers)} layers, {experts}, {'; '.join(labels)}")

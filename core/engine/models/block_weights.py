@@ -67,7 +67,7 @@ def quant_block_reason(method, ckpt, device: torch.device, dtype: torch.dtype,
     if held - formats:
         return (f"the GGUF holds {', '.join(sorted(held))} blocks and the method runs "
                 f"{', '.join(sorted(formats))} ones")
-    missing = [f for f in sorted(held) if _block_kernel(registries, f, activations) is None]
+    missing = [f for f in sorted(held) if block_kernel(registries, f, activations) is None]
     if missing:
         return (f"no usable linear kernel for {', '.join(missing)} blocks with {activations} "
                 f"activations")
@@ -81,7 +81,7 @@ def block_note(formats: set[str], activations: str) -> str:
             f"activations{how}")
 
 
-def _block_kernel(registries, fmt: str, activations: str | None = None):
+def block_kernel(registries, fmt: str, activations: str | None = None):
     """The registry entry of the kernel for ``fmt`` blocks (``ENGINE_LINEAR_KERNEL``'s where it
     keeps them; ``activations``: only kernels taking those), or None."""
     from engine.registry import resolve_linear_kernel
@@ -136,7 +136,7 @@ def pack_block_linears(model: nn.Module, ckpt, registries,
             continue
         fmt, raw = found
         if fmt not in kernels:
-            kernels[fmt] = _block_kernel(registries, fmt, activations)
+            kernels[fmt] = block_kernel(registries, fmt, activations)
         entry = kernels[fmt]
         if entry is None:
             continue

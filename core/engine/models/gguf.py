@@ -237,7 +237,18 @@ class GGUFFile:
         [rows, bytes per row]), q/k rows unpermuted as ``tensors`` does (a block holds 32
         weights of one row, so moving rows moves whole blocks); None for another type."""
         info = self._infos_by_hf_name().get(name)
-        if info is None or len(info.shape) != 2:
+        if info is None:  # an expert's slice of a stacked [experts, rows, columns] tensor?
+            stacked = self._expert_infos().get(name)
+            if stacked is None or BLOCK_FORMATS.get(stacked[0].tensor_type.name) is None:
+                return None
+            info, e = stacked
+            rows = int(info.shape[1])
+            data = np.asarray(info.data)
+            if data.ndim != 3:
+                return None
+            raw = torch.from_numpy(np.array(data[e], dtype=np.uint8).reshape(rows, -1))
+            return BLOCK_FORMATS[info.tensor_type.name], raw.contiguous()
+        if len(info.shape) != 2:
             return None
         fmt = BLOCK_FORMATS.get(info.tensor_type.name)
         if fmt is None:
@@ -245,6 +256,19 @@ class GGUFFile:
         rows = int(info.shape[1])
         raw = torch.from_numpy(np.array(info.data, dtype=np.uint8).reshape(rows, -1))
         return fmt, self._unpermuted(name, raw, hf).contiguous()
+
+    def _expert_infos(self) -> dict:
+        """Our name of each expert's weight -> (its stacked tensor's info, the expert)."""
+        if not hasattr(self, "_by_expert"):
+            self._by_expert = {}
+            for n, t in self.tensor_infos.items():
+                stack = expert_stack(n, self.moe)
+                if stack is not None and len(t.shape) == 3:
+                    layer, proj = stack
+                    for e in range(int(t.shape[-1])):
+                        self._by_expert[f"model.layers.{layer}.{self.moe.experts}.{e}.{proj}"
+                                        f".weight"] = (t, e)
+        return self._by_expert
 
     def _unpermuted(self, name: str, rows: torch.Tensor, hf: dict) -> torch.Tensor:
         """``rows`` of the weight ``name`` with llama.cpp's q/k row permutation undone (for the
@@ -257,9 +281,12 @@ class GGUFFile:
         return unpermute_rows(rows, heads[proj]) if proj in heads else rows
 
     def block_names(self) -> list[str]:
-        """Our names of the 2-D weights stored in a BLOCK_FORMATS type."""
+        """Our names of the 2-D weights stored in a BLOCK_FORMATS type, experts' included
+        (each expert's slice of a stacked tensor in one)."""
         return [n for n, t in self._infos_by_hf_name().items()
-                if len(t.shape) == 2 and t.tensor_type.name in BLOCK_FORMATS]
+                if len(t.shape) == 2 and t.tensor_type.name in BLOCK_FORMATS] + \
+            [n for n, (t, _) in self._expert_infos().items()
+             if t.tensor_type.name in BLOCK_FORMATS]
 
     def _infos_by_hf_name(self) -> dict:
         if not hasattr(self, "_by_hf"):

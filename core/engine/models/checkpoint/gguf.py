@@ -1,6 +1,6 @@
 """A GGUF file (or a directory holding one) as a checkpoint. It is converted once: its config,
 its tokenizer (transformers' GGUF converter) and its weights dequantized to the compute dtype are
-cached under ``<cache>/gguf/v1/<name>-<sha256>/`` (``engine.paths.cache_root``; ``v1`` versions
+cached under ``<cache>/gguf/v2/<name>-<sha256>/`` (``engine.paths.cache_root``; ``v2`` versions
 the conversion), keyed by the file's hash, so later starts read safetensors and a tokenizer.json
 instead of dequantizing and converting again; its quantized blocks (for a linear kernel that
 runs them as they are) beside them. Where the cache cannot be written the GGUF is read directly,
@@ -28,7 +28,8 @@ from engine.models.checkpoint.hf import iter_safetensors, load_tokenizer_dir
 from engine.paths import cache_root
 
 logger = logging.getLogger("engine")
-GGUF_CACHE_VERSION = "v1"  # bump when the conversion changes, so stale caches are not read
+GGUF_CACHE_VERSION = "v2"  # bump when the conversion changes, so stale caches are not read
+# (v2: the blocks cache holds MoE experts' blocks too)
 
 
 class GGUFCheckpoint(Checkpoint):
