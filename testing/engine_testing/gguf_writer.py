@@ -24,10 +24,16 @@ PER_LAYER = {
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
+    # DeepSeek-V2/V3 (llama.cpp's deepseek2): MLA's projections, the shared experts
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
-        "MixtralForCausalLM": "llama"}
+        "MixtralForCausalLM": "llama", "DeepseekV2ForCausalLM": "deepseek2",
+        "DeepseekV3ForCausalLM": "deepseek2"}
 # a sparse layer's experts: each projection of every expert stacked in one
 # [experts, out, in] tensor (llama.cpp's *_exps); Qwen3-MoE's names, then Mixtral's
 EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
@@ -43,6 +49,8 @@ K_SCALE = {"Q2_K": 4e-4, "Q3_K": 4e-4, "Q4_K": 5e-5, "Q5_K": 2.5e-5, "Q6_K": 1e-
 def gguf_tensor_name(name: str) -> str:
     if name in GLOBAL:
         return GLOBAL[name]
+    if name.startswith("blk."):  # written under llama.cpp's name already (deepseek2_tensors)
+        return name
     _, _, rest = name.partition("model.layers.")
     layer, _, tail = rest.partition(".")
     module, _, suffix = tail.rpartition(".")
@@ -67,6 +75,73 @@ def stack_experts(tensors: dict) -> dict:
     for name, experts in stacks.items():
         out[name] = np.stack([experts[e] for e in range(len(experts))])
     return out
+
+
+def deepseek2_tensors(tensors: dict, hf: dict) -> dict:
+    """DeepSeek's tensors as llama.cpp's converter writes them: kv_b_proj split per head into
+    attn_k_b (its nope rows transposed: [heads, kv_lora_rank, nope]) and attn_v_b ([heads,
+    v_head_dim, kv_lora_rank]), the gate's e_score_correction_bias as exp_probs_b.bias;
+    everything else as it is (named by ``gguf_tensor_name`` later)."""
+    heads, nope, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
+    out = {}
+    for name, arr in tensors.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            kv_b = arr.reshape(heads, nope + v, arr.shape[-1])
+            out[f"blk.{layer}.attn_k_b.weight"] = np.ascontiguousarray(
+                kv_b[:, :nope].transpose(0, 2, 1))
+            out[f"blk.{layer}.attn_v_b.weight"] = np.ascontiguousarray(kv_b[:, nope:])
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            out[f"blk.{layer}.exp_probs_b.bias"] = arr
+        else:
+            out[name] = arr
+    return out
+
+
+def add_deepseek2_metadata(w, hf: dict) -> None:
+    """deepseek2's keys as llama.cpp's converter writes them: MLA as MQA with one key head of
+    kv_lora_rank + rope values (the per-head sizes in the *_mla keys), the experts, routing
+    and yarn."""
+    import gguf
+
+    rope, kv_lora = hf["qk_rope_head_dim"], hf["kv_lora_rank"]
+    w.add_head_count_kv(1)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(hf["qk_nope_head_dim"] + rope)
+    w.add_value_length_mla(hf["v_head_dim"])
+    w.add_rope_dimension_count(rope)
+    w.add_kv_lora_rank(kv_lora)
+    if hf.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hf["q_lora_rank"])
+    w.add_leading_dense_block_count(hf.get("first_k_dense_replace") or 0)
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    w.add_expert_count(hf["n_routed_experts"])
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_shared_count(hf.get("n_shared_experts") or 0)
+    if hf.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(hf["routed_scaling_factor"])
+    if hf.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    v3 = hf["architectures"][0] == "DeepseekV3ForCausalLM"
+    scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if scoring == "sigmoid"
+                             else gguf.ExpertGatingFuncType.SOFTMAX)
+    if hf.get("n_group") is not None:
+        w.add_expert_group_count(hf["n_group"])
+    if hf.get("topk_group") is not None:
+        w.add_expert_group_used_count(hf["topk_group"])
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(params["factor"])
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if params.get(key) is not None:
+                add(params[key])
+        if params.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -134,21 +209,25 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
     w.add_embedding_length(hf["hidden_size"])
     w.add_feed_forward_length(hf["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    deepseek = arch == "deepseek2"
+    if deepseek:
+        add_deepseek2_metadata(w, hf)
+    else:
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(hf.get("rms_norm_eps", 1e-6))
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     w.add_rope_freq_base(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "linear":
+    if rope_type == "linear" and not deepseek:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(params["factor"])
     w.add_vocab_size(hf["vocab_size"])
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5: the latter
-    if experts:  # as llama.cpp's converters write Qwen3-MoE (Qwen2MoeModel) and Mixtral (llama)
+    if experts and not deepseek:  # as llama.cpp's converters write Qwen3-MoE and Mixtral
         w.add_expert_count(experts)
         w.add_expert_used_count(hf["num_experts_per_tok"])
         if "moe_intermediate_size" in hf:  # Mixtral's experts are feed_forward_length wide
@@ -160,6 +239,8 @@ def write_gguf(hf_dir: str, out_path: str, qtype: str = "F32", *, tokenizer: boo
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     if rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(params, head_dim, theta))
+    if deepseek:
+        tensors = deepseek2_tensors(tensors, hf)
     tensors = stack_experts(tensors)
     for name, arr in tensors.items():
         if hf.get("tie_word_embeddings") and name == "lm_head.weight":

@@ -4,6 +4,9 @@ renamed to the HF names our models load, with llama.cpp's Q/K rotary permutation
 
 llama.cpp's converter permutes the rows of q_proj and k_proj of "llama" models (its rope rotates
 adjacent pairs; HF's rotates the two halves of a head); Qwen2/Qwen3 are converted unpermuted.
+DeepSeek-V2/V3 ("deepseek2") files hold MLA's kv_b_proj split in two for llama.cpp's absorbed
+attention (attn_k_b: each head's nope rows transposed, [heads, kv_lora_rank, nope]; attn_v_b:
+[heads, v_head_dim, kv_lora_rank]), put back together here; older files hold attn_kv_b whole.
 Every error names the file and the tensor or metadata key it is about."""
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # DeepSeek-V2/V3 (deepseek2): MLA's projections and the shared experts
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# deepseek2's split kv_b_proj (see the module docstring): llama.cpp's tensor -> which half
+KV_B_HALVES = {"attn_k_b": "k", "attn_v_b": "v"}
+# deepseek2's noaux_tc correction bias: llama.cpp's name -> ours (HF's, a parameter of the gate)
+SCORE_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
 
 
 class MoENames(NamedTuple):
@@ -43,6 +56,8 @@ MOE_NAMES = {  # general.architecture -> its experts' names (a "llama" file with
         "ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
     "llama": MoENames("block_sparse_moe.gate", "block_sparse_moe.experts", {
         "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+    "deepseek2": MoENames("mlp.gate", "mlp.experts", {
+        "ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
 }
 # GGUF block types a registered linear kernel may run as they are (weight_dtype names)
 BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
@@ -69,7 +84,31 @@ def hf_name(name: str, moe: MoENames | None = None) -> str | None:
     if moe is not None and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and \
             parts[2] == "ffn_gate_inp":
         return f"model.layers.{parts[1]}.{moe.router}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] == SCORE_BIAS[0] and suffix == "bias":
+        return f"model.layers.{parts[1]}.{SCORE_BIAS[1]}"
     return None
+
+
+def kv_b_half(name: str) -> tuple[int, str] | None:
+    """(layer, "k" or "v") of deepseek2's split kv_b_proj tensor ``name``, else None."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
+            parts[2] in KV_B_HALVES and parts[3] == "weight":
+        return int(parts[1]), KV_B_HALVES[parts[2]]
+    return None
+
+
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's halves: k_b [heads,
+    kv_lora_rank, nope] (each head's nope rows transposed), v_b [heads, v, kv_lora_rank]."""
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or \
+            k_b.shape[1] != v_b.shape[2]:
+        raise GGUFError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} are not "
+                        f"[heads, kv_lora_rank, nope] and [heads, v_head_dim, kv_lora_rank]")
+    heads = k_b.shape[0]
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(heads * (k_b.shape[2] +
+                                                                          v_b.shape[1]), -1)
 
 
 def expert_stack(name: str, moe: MoENames | None) -> tuple[int, str] | None:
@@ -193,7 +232,7 @@ class GGUFFile:
             if t.tensor_type not in checked:
                 checked[t.tensor_type] = can_dequantize(t.tensor_type)
             loaded = hf_name(t.name, self.moe) is not None or \
-                expert_stack(t.name, self.moe) is not None
+                expert_stack(t.name, self.moe) is not None or kv_b_half(t.name) is not None
             if not checked[t.tensor_type] and loaded:
                 gguf = gguf_package()
                 ok = [q.name for q in gguf.GGMLQuantizationType if can_dequantize(q)]
@@ -305,9 +344,26 @@ class GGUFFile:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor in ``dtype``) for every weight; unknown names are passed through for
         the loader to refuse. ``keep``: only the names it accepts, the others not dequantized."""
+        halves: dict[int, dict[str, torch.Tensor]] = {}
         for info in self.reader.tensors:
             if info.name == ROPE_FREQS:
                 continue  # read into the config's rope_scaling
+            half = kv_b_half(info.name)
+            if half is not None:  # deepseek2's kv_b_proj in two: whole once both are read
+                layer, which = half
+                name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+                if keep is not None and not keep(name):
+                    continue
+                shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+                halves.setdefault(layer, {})[which] = torch.from_numpy(
+                    self.array(info).reshape(shape))
+                if len(halves[layer]) == 2:
+                    kv = halves.pop(layer)
+                    try:
+                        yield name, join_kv_b(kv["k"], kv["v"]).to(dtype).contiguous()
+                    except GGUFError as e:
+                        raise GGUFError(f"'{self.path}', layer {layer}: {e}.") from None
+                continue
             stack = expert_stack(info.name, self.moe)
             if stack is not None:  # one tensor per expert, as HF checkpoints hold them
                 yield from self._experts(info, *stack, dtype, keep)
@@ -317,6 +373,10 @@ class GGUFFile:
                 continue
             tensor = self._unpermuted(name, torch.from_numpy(self.array(info)), hf)
             yield name, tensor.to(dtype).contiguous()
+        if halves:
+            layer, kv = next(iter(halves.items()))
+            raise GGUFError(f"'{self.path}': layer {layer} has blk.{layer}.attn_"
+                            f"{next(iter(kv))}_b.weight but not its other half of kv_b_proj")
 
     def _experts(self, info, layer: int, proj: str, dtype: torch.dtype, keep
                  ) -> Iterator[tuple[str, torch.Tensor]]:
