@@ -2,8 +2,10 @@
 
 Checkpoints: a bf16/fp32 one is quantized at load (per output channel, e4m3); an FP8 one in
 the vLLM / llm-compressor layout (config.json ``quantization_config.quant_method == "fp8"``,
-float8_e4m3fn weights with ``weight_scale``) is loaded as it is. ``ignored_layers`` stay
-unquantized; block-wise checkpoints (``weight_block_size``) are refused. ``activation_scheme``
+float8_e4m3fn weights with ``weight_scale``) is loaded as it is, and so is a block-wise one
+(DeepSeek-V3's ``weight_block_size`` with ``weight_scale_inv``: block.py, dequantized in the
+forward); MLA's kv_b_proj in an FP8 checkpoint is dequantized once at load (block.py's
+FP8Latent). ``ignored_layers`` stay unquantized. ``activation_scheme
 "static" makes every layer use its checkpoint ``input_scale`` (see linear.py); "dynamic" (the
 default) refuses checkpoints that carry one.
 
@@ -21,6 +23,8 @@ import torch
 from engine.interfaces import QuantMethod
 from engine.layers.quantized import swap_quantizable
 from engine.registry import EngineError
+from engine.layers.mla import LatentProjection
+from engine_quant_fp8.block import FP8BlockLinear, FP8Latent
 from engine_quant_fp8.linear import FP8Linear
 
 logger = logging.getLogger("engine")
@@ -44,6 +48,7 @@ def usable_fast(layer: FP8Linear) -> bool:
 
 FAST = "torch._scaled_mm"
 DEQUANTIZE = "weights stay FP8 and are dequantized per layer in the forward"
+BLOCKS = "block-wise scales (weight_block_size {}): no block-scaled FP8 GEMM here"
 ODD_SIZES = "in/out features not multiples of 16"
 
 
@@ -82,35 +87,60 @@ class FP8Method(QuantMethod):
         # ignored_layers and block sizes describe an FP8 checkpoint, not a bf16 one
         hf = model.config.hf_config
         qc = (hf.get("quantization_config") or {}) if self.detect(hf) else {}
-        if qc.get("weight_block_size"):
-            raise EngineError(
-                f"This FP8 checkpoint is block-wise quantized (weight_block_size "
-                f"{qc['weight_block_size']}); engine-quant-fp8 loads per-tensor and "
-                f"per-channel FP8 checkpoints only.")
+        block = qc.get("weight_block_size")
+        if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2 or
+                                  not all(isinstance(b, int) and b > 0 for b in block)):
+            raise EngineError(f"This FP8 checkpoint's weight_block_size is {block!r}; expected "
+                              f"[rows, columns] of positive integers (DeepSeek-V3: [128, 128]).")
+        if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+            raise EngineError(f"This FP8 checkpoint's fmt is {qc['fmt']!r}; engine-quant-fp8 "
+                              f"loads float8_e4m3fn (\"e4m3\") weights.")
         scheme = str(qc.get("activation_scheme", "dynamic")).lower()
         if scheme not in ("static", "dynamic"):
             raise EngineError(f"This FP8 checkpoint's activation_scheme is "
                               f"{qc['activation_scheme']!r}; engine-quant-fp8 supports "
                               f"'static' (per-tensor input_scale) and 'dynamic'.")
-        ignored = set(qc.get("ignored_layers") or ())
-        make = functools.partial(FP8Linear.like, static_input=scheme == "static")
+        if block is not None and scheme == "static":
+            raise EngineError("This FP8 checkpoint is block-wise (weight_block_size) with "
+                              "activation_scheme \"static\"; engine-quant-fp8 runs block-wise "
+                              "weights with dynamic (unquantized) activations only.")
+        ignored = set(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        if block is not None:
+            make = functools.partial(FP8BlockLinear.like, block=tuple(block))
+        else:
+            make = functools.partial(FP8Linear.like, static_input=scheme == "static")
         swap_quantizable(model, make, ignored)
-        self._expected = sum(isinstance(m, FP8Linear) for m in model.modules())
+        if qc:  # an FP8 checkpoint: MLA's kv_b_proj comes as FP8 too (unless ignored)
+            for name, layer in list(model.named_modules()):
+                if isinstance(layer, LatentProjection) and not isinstance(layer, FP8Latent) \
+                        and name not in ignored:
+                    parent, _, attr = name.rpartition(".")
+                    setattr(model.get_submodule(parent), attr, FP8Latent.like(
+                        layer, name, None if block is None else tuple(block)))
+        self._expected = sum(isinstance(m, (FP8Linear, FP8BlockLinear))
+                             for m in model.modules())
         self._decided = []
         if self._expected == 0:
             logger.info("fp8 linear layers: none (every quantizable layer is in ignored_layers)")
         return model
 
     def process_weights(self, module) -> None:
-        if not isinstance(module, FP8Linear):
+        if isinstance(module, FP8Latent):
+            module.finish_loading()
+            return
+        if not isinstance(module, (FP8Linear, FP8BlockLinear)):
             return
         module.finish_loading()
-        reason = fast_path_reason(module.weight.device)
-        if reason is None and not usable_fast(module):
-            reason = ODD_SIZES
+        if isinstance(module, FP8BlockLinear):
+            reason = BLOCKS.format(list(module.block))
+        else:
+            reason = fast_path_reason(module.weight.device)
+            if reason is None and not usable_fast(module):
+                reason = ODD_SIZES
         module.fast = reason is None
         self._decided.append((FAST if module.fast else DEQUANTIZE, reason or "",
                               layer_name(module)))
         if len(self._decided) >= self._expected:  # the model's last FP8 layer
-            logger.info(path_summary(self._decided, module.input_scale is not None))
+            logger.info(path_summary(self._decided,
+                                     getattr(module, "input_scale", None) is not None))
             self._decided, self._expected = [], 0

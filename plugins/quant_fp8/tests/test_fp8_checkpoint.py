@@ -143,7 +143,11 @@ def test_broken_fp8_checkpoints_say_what_is_wrong(llama, tmp_path, make_runner):
         make_runner(drop_scale(ckpt, tmp_path / "no_scale"), "fp8")
     blocks = write_checkpoint(llama, tmp_path / "blocks",
                               config_extra={"weight_block_size": [128, 128]})
-    with pytest.raises(EngineError, match="block-wise quantized"):
+    # per-channel scales under a block-wise config: not the blocks' grid (test_fp8_blockwise.py
+    # has the checkpoints that are)
+    with pytest.raises(EngineError, match=r"'model.layers.0.self_attn.q_proj.weight_scale' has "
+                                          r"shape \(128, 1\); a 128 x 128 weight in blocks of "
+                                          r"\[128, 128\] \(weight_block_size\) needs \(1, 1\)"):
         make_runner(blocks, "fp8")
     partial = write_checkpoint(llama, tmp_path / "partial",
                                ignored=("model.layers.0.self_attn.q_proj",))
