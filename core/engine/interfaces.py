@@ -37,6 +37,9 @@ class AttentionLayerSpec:
     # the rows' first ``kv_lora_rank`` values, and the output is ``kv_lora_rank`` wide per head
     # (the model applies W_UV after). See ``AttentionBackend.forward_latent``.
     kv_lora_rank: int = 0
+    # the query's nope dims before absorption (contract 1.6; 0 unknown): kernels that check
+    # the model's geometry (trtllm-gen's MLA decode) take it
+    qk_nope_head_dim: int = 0
 
     def kv_values_per_token(self) -> int:
         """Values one token keeps in the pool for this layer: K and V per KV head, or the

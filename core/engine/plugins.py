@@ -119,7 +119,8 @@ def _registrar(regs: Registries, hook: str, info: PluginInfo):
         add(regs.attention, "attention", name, factory, check, aliases,
             kv_dtypes=kv_dtypes if kv_dtypes == "any" else tuple(kv_dtypes), priority=priority,
             description=description, page_sizes=tuple(page_sizes) if page_sizes else None,
-            dtypes=tuple(dtypes) if dtypes else None, mla=bool(mla))
+            dtypes=tuple(dtypes) if dtypes else None,
+            mla="only" if mla == "only" else bool(mla))
 
     def kv_dtype(name, kv):
         add(regs.kv_dtypes, "kv_dtypes", name, kv)

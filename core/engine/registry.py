@@ -150,9 +150,14 @@ def takes_dtype(entry: Entry, dtype: str | None) -> bool:
 
 def takes_model(entry: Entry, model_config) -> bool:
     """Whether the backend can attend ``model_config``'s layers: an MLA model (DeepSeek's
-    latent attention) needs a backend registered with ``mla=True``."""
-    return not getattr(getattr(model_config, "mla", None), "kv_lora_rank", 0) or \
-        bool(entry.extra.get("mla"))
+    latent attention) needs a backend registered with ``mla=True`` (or ``"only"``), and one
+    registered with ``mla="only"`` (contract 1.6) takes nothing else. An unknown model (None):
+    any backend."""
+    if model_config is None:
+        return True
+    latent = bool(getattr(getattr(model_config, "mla", None), "kv_lora_rank", 0))
+    mla = entry.extra.get("mla")
+    return bool(mla) if latent else mla != "only"
 
 
 def default_page_size(entry: Entry) -> int:
@@ -184,13 +189,15 @@ def resolve_attention_backend(regs: Registries, name: str, device, kv_dtype: str
         name = picked
     entry = regs.attention.get(name, UnknownAttentionBackend)
     if not takes_model(entry, model_config):
-        usable = [e.name for e in regs.attention if e.extra.get("mla")]
+        latent = [e for e in regs.attention if e.extra.get("mla")]
+        usable = [e.name for e in latent if e.unavailable_reason(device) is None]
         how = "picked by --attention-backend auto" if picked_by_auto else "asked for"
         raise IncompatibleOptions(
             f"'{entry.name}' ({entry.origin}, {how}) has no multi-head latent attention, which "
             f"{model_config.architecture} uses; the backends that have it: "
-            f"{', '.join(usable) or 'none installed'}. Pass --attention-backend "
-            f"{usable[0] if usable else 'torch_native'}.")
+            f"{', '.join(e.name for e in latent) or 'none installed'}. Pass "
+            f"--attention-backend {usable[0] if usable else 'torch_native'}"
+            f"{' (usable here)' if usable else ''}.")
     reason = entry.unavailable_reason(device)
     if reason:
         usable = [e.name for e in regs.attention if not e.unavailable_reason(device)]

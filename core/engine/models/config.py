@@ -74,7 +74,8 @@ class ModelConfig:
         if self.mla is not None:  # one latent row per token: the latent, then the rope key
             m = self.mla
             return [AttentionLayerSpec(self.num_heads, 1, m.latent_dim, m.softmax_scale,
-                                       kv_lora_rank=m.kv_lora_rank)
+                                       kv_lora_rank=m.kv_lora_rank,
+                                       qk_nope_head_dim=m.qk_nope_head_dim)
                     for _ in range(self.num_layers)]
         windowed = set(self.sliding_window_layers)
         return [

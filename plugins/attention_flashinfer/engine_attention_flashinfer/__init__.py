@@ -1,10 +1,13 @@
-"""Attention backends 'flashinfer' (Ampere and newer) and 'trtllm_mha' (Blackwell)."""
+"""Attention backends 'flashinfer' (Ampere and newer; MLA too), 'trtllm_mha' and 'trtllm_mla'
+(Blackwell)."""
 
 import importlib.util
 
 from engine import hookimpl
 from engine.interfaces import EngineOption
-from engine_attention_flashinfer.limits import HALF, TRTLLM_PAGE_SIZES
+from engine_attention_flashinfer.limits import HALF, TRTLLM_MLA_PAGE_SIZES, TRTLLM_PAGE_SIZES
+
+ENGINE_HOOKS_VERSION = "1.6"  # register_attention_backends(mla="only"), qk_nope_head_dim
 
 NEEDS_PACKAGE = ("needs the flashinfer-python package: "
                  "pip install 'engine-attention-flashinfer[cuda]'")
@@ -28,9 +31,16 @@ def check_trtllm(device):
 
 
 def _flashinfer(ctx):
+    from engine_attention_flashinfer import mla_backend
     from engine_attention_flashinfer.flashinfer_backend import from_context
 
-    return from_context(ctx)
+    return mla_backend.from_context(ctx) if mla_backend.is_mla(ctx) else from_context(ctx)
+
+
+def _trtllm_mla(ctx):
+    from engine_attention_flashinfer.mla_backend import trtllm_from_context
+
+    return trtllm_from_context(ctx)
 
 
 def _flashinfer_graph_memory(max_bs, num_sizes, layers, page_size, max_context_len, options):
@@ -71,8 +81,14 @@ def register_serve_options(register):
 @hookimpl
 def register_attention_backends(register):
     register("flashinfer", _flashinfer, check=check_flashinfer, dtypes=HALF,
-             kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"), priority=20,
-             description="flashinfer paged attention, Ampere and newer")
+             kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"), priority=20, mla=True,
+             description="flashinfer paged attention (MLA through its MLA wrapper), Ampere "
+                         "and newer")
+    register("trtllm_mla", _trtllm_mla, check=check_trtllm, dtypes=HALF,
+             kv_dtypes=("auto", "bf16", "fp16"), priority=25, mla="only",
+             page_sizes=TRTLLM_MLA_PAGE_SIZES,  # 64 by default, as SGLang's trtllm_mla
+             description="TensorRT-LLM MLA decode kernels through flashinfer (DeepSeek), "
+                         "Blackwell")
     register("trtllm_mha", _trtllm, check=check_trtllm, dtypes=HALF,
              kv_dtypes=("auto", "bf16", "fp16", "fp8_e4m3"), priority=25,
              page_sizes=TRTLLM_PAGE_SIZES,  # the last (64) is the default, as in SGLang

@@ -259,6 +259,80 @@ def reference_trtllm_context(query, kv_cache, workspace_buffer, block_tables, se
     return out
 
 
+def attend_latent(q: torch.Tensor, rows: torch.Tensor, lora: int, scale: float,
+                  causal: bool = True) -> torch.Tensor:
+    """MLA: q [n, H, D] (absorbed), rows [L, D] (latent then rope key): softmax(q . rows *
+    scale) over the rows (the last n positions causal, bottom-right), times the rows' first
+    ``lora`` values. float32 [n, H, lora]."""
+    n, L = q.shape[0], rows.shape[0]
+    s = torch.einsum("nhd,ld->hnl", q.float(), rows.float()) * scale
+    if causal:
+        qpos = torch.arange(L - n, L, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(L, device=q.device)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hnl,ld->nhd", s.softmax(-1), rows[:, :lora].float())
+
+
+class ReferenceMLAWrapper:
+    """flashinfer.mla.BatchMLAPagedAttentionWrapper: plan (host indptrs, page ids, each
+    sequence's length), then run over ckv/kpe caches [P, page_size, ...]."""
+
+    def __init__(self, float_workspace_buffer, use_cuda_graph=False, backend="auto"):
+        assert float_workspace_buffer.dtype == torch.uint8
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
+             head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type):
+        for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            assert t.dtype == torch.int32
+        assert qo_indptr.device.type == kv_indptr.device.type == kv_len_arr.device.type == "cpu"
+        self.meta = (qo_indptr.tolist(), kv_indptr.tolist(), kv_indices, kv_len_arr.tolist())
+        self.shape = (num_heads, head_dim_ckv, head_dim_kpe, page_size)
+        self.causal, self.scale = causal, sm_scale
+        self.dtypes = (q_data_type, kv_data_type)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache):
+        qo, kv, indices, lens = self.meta
+        heads, ckv_dim, kpe_dim, page_size = self.shape
+        assert q_nope.shape[1:] == (heads, ckv_dim) and q_pe.shape[1:] == (heads, kpe_dim)
+        assert ckv_cache.shape[1:] == (page_size, ckv_dim)
+        assert kpe_cache.shape[1:] == (page_size, kpe_dim)
+        _check(q_nope, self.dtypes[0], "q_nope")
+        _check(ckv_cache, self.dtypes[1], "ckv_cache")
+        assert qo[-1] == q_nope.shape[0] and len(lens) == len(qo) - 1
+        q = torch.cat([q_nope, q_pe], -1)
+        out = torch.empty(q.shape[0], heads, ckv_dim, dtype=q_nope.dtype, device=q.device)
+        for b, n in enumerate(lens):
+            pages = indices[kv[b]:kv[b + 1]].tolist()
+            assert len(pages) == -(-n // page_size)
+            rows = torch.cat([ckv_cache[pages], kpe_cache[pages]], -1).reshape(
+                -1, ckv_dim + kpe_dim)[:n]
+            out[qo[b]:qo[b + 1]] = attend_latent(q[qo[b]:qo[b + 1]], rows, ckv_dim,
+                                                 self.scale, self.causal)
+        return out
+
+
+def reference_trtllm_mla_decode(query, kv_cache, workspace_buffer, qk_nope_head_dim,
+                                kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
+                                max_seq_len, bmm1_scale=1.0, bmm2_scale=1.0):
+    """trtllm_batch_decode_with_kv_cache_mla: query [B, 1, H, lora + rope], kv_cache [P, 1,
+    page_size, lora + rope]; out [B, 1, H, lora]."""
+    lens = _check_tables(block_tables, seq_lens, max_seq_len)
+    B, q_len, H, D = query.shape
+    assert q_len == 1 and B == len(lens) and D == kv_lora_rank + qk_rope_head_dim
+    assert kv_cache.shape[1] == 1 and kv_cache.shape[3] == D and qk_nope_head_dim > 0
+    page_size = kv_cache.shape[2]
+    out = torch.empty(B, 1, H, kv_lora_rank, dtype=query.dtype, device=query.device)
+    for b, n in enumerate(lens):
+        pages = block_tables[b, :-(-n // page_size)].tolist()
+        rows = kv_cache[pages, 0].reshape(-1, D)[:n]
+        out[b] = attend_latent(query[b], rows, kv_lora_rank, bmm1_scale) * bmm2_scale
+    return out
+
+
+def mla_reference_ops() -> SimpleNamespace:
+    return SimpleNamespace(mla_wrapper=ReferenceMLAWrapper,
+                           mla_decode=reference_trtllm_mla_decode)
+
+
 def flashinfer_reference_ops() -> SimpleNamespace:
     return SimpleNamespace(prefill_wrapper=ReferencePrefillWrapper,
                            ragged_wrapper=ReferenceRaggedWrapper,
