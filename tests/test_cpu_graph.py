@@ -157,7 +157,8 @@ def engine(path, **kw):
     return Engine(path, **{"max_total_tokens": 4096, **kw})
 
 
-def test_start_line_says_on_or_why_off(tiny_gguf_factory, tiny_model_factory, caplog):
+def test_start_line_says_on_or_why_off(tiny_gguf_factory, tiny_model_factory, caplog,
+                                       monkeypatch):
     caplog.set_level(logging.INFO, logger="engine")
     gguf = tiny_gguf_factory("llama", "Q8_0")
     on = engine(gguf)
@@ -167,7 +168,11 @@ def test_start_line_says_on_or_why_off(tiny_gguf_factory, tiny_model_factory, ca
         "cpu graph: off (--disable-cpu-graph)"
     assert "cpu graph: off (attention backend TorchNativeBackend has no CPU graph nodes" in \
         engine(gguf, attention_backend="torch_native").cpu_graph
+    # a float32 model: on through engine-cpu-kernels' float32 kernel, off with oneDNN's
+    assert engine(tiny_model_factory("llama")).cpu_graph.startswith("cpu graph: on, ")
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "torch")
     f32 = engine(tiny_model_factory("llama")).cpu_graph
+    monkeypatch.delenv("ENGINE_LINEAR_KERNEL")
     assert f32.startswith("cpu graph: off (layer 0's qkv_proj runs oneDNN on float32 "
                           "weights, which has no CPU graph node")
     assert engine(gguf, cpu_graph_max_bs=3).runner.cpu_graph.max_rows == 3

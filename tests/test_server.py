@@ -508,8 +508,11 @@ def wait_idle(server, timeout: float = 30) -> dict:
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
     before = metrics(server)["engine:num_aborted_requests_total"]
-    body = {"prompt": "slow", "max_tokens": 450, "ignore_eos": True}
+    # 4 x 450 tokens: ~0.15 s of the tiny model on the CPU kernels with the CPU graph (450
+    # tokens alone take 0.1 s); the client leaves after 0.02 s, long before
+    body = {"prompt": "slow", "max_tokens": 450, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
-                   timeout=httpx.Timeout(30, read=0.5))
-    assert wait_idle(server)["engine:num_aborted_requests_total"] == before + 1
+                   timeout=httpx.Timeout(30, read=0.02))
+    # each of the n = 4 sequences counts
+    assert wait_idle(server)["engine:num_aborted_requests_total"] == before + 4

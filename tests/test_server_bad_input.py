@@ -18,9 +18,14 @@ LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
+def server(start_server, tiny_model_factory):
+    # a wider tiny llama (25M weights, ~4 ms a token on one thread): the queue test needs a
+    # request that runs while two more wait, and the 1M-weight one finishes 100 tokens in 20 ms
+    slow = tiny_model_factory("llama", hidden_size=512, intermediate_size=1536,
+                              num_hidden_layers=8, num_attention_heads=8,
+                              num_key_value_heads=4)
     s = start_server("--max-running-requests", "1", "--max-queued-requests", "2",
-                     "--max-model-len", "128", "--max-request-bytes", str(LIMIT))
+                     "--max-model-len", "128", "--max-request-bytes", str(LIMIT), model=slow)
     yield s
     assert s.stop() == 0
 

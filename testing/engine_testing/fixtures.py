@@ -156,17 +156,18 @@ def in_process_server():
 
 @pytest.fixture(scope="session")
 def start_server(tiny_model_factory, tmp_path_factory):
-    """``start(*flags, api_key=None, default_model=False) -> ServerProcess`` (ready), serving the
-    tiny llama (or, with ``default_model``, no --model: SmolLM2) with a small KV pool; every
-    server still running at the end of the session is stopped."""
+    """``start(*flags, api_key=None, default_model=False, model=None) -> ServerProcess``
+    (ready), serving the tiny llama (or, with ``default_model``, no --model: SmolLM2; or
+    ``model``, a path) with a small KV pool; every server still running at the end of the
+    session is stopped."""
     from engine.server.process import ServerProcess
 
     started = []
 
-    def start(*flags: str, api_key: str | None = None,
-              default_model: bool = False) -> ServerProcess:
+    def start(*flags: str, api_key: str | None = None, default_model: bool = False,
+              model: str | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        model = [] if default_model else ["--model", tiny_model_factory("llama")]
+        model = [] if default_model else ["--model", model or tiny_model_factory("llama")]
         args = [*model, "--max-total-tokens", "4096", *flags]
         # one torch thread: tiny models gain nothing from more on a shared 2-core machine
         server = ServerProcess(args, log, api_key, env={"OMP_NUM_THREADS": "1"})

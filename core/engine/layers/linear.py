@@ -1,15 +1,14 @@
 """Linear layers; MergedLinear packs several checkpoint projections (q/k/v, gate/up) into one
 matmul, which is what makes small-batch CPU decode fast.
 
-On CPU in float32 the loader prepacks every weight for oneDNN (``prepack_linears``): the weight
-becomes an opaque blocked mkldnn tensor and the forward is ``torch.ops.mkldnn._linear_pointwise``,
-1.5x faster than ``F.linear`` for a whole SmolLM2 step at 16 and 64 rows (1.2-1.3x at 1 and
-256) on a 2-core AVX2 EPYC (benchmarks/linear_kernels.py). With ``--dtype float16`` (float16
-weights, float32 arithmetic) or ``--dtype bfloat16`` on a CPU, a kernel a plugin registered
-through ``register_linear_kernels`` for that weight dtype runs the linears when one is usable on
-this CPU (the highest priority; e.g. engine-cpu-kernels' AVX-512 or AVX2 GEMMs, chosen at run
-time by cpuid), else fbgemm's fp16 GEMM / ``F.linear``. Elsewhere (CUDA, other dtypes) the
-forward stays ``F.linear``.
+On a CPU a kernel a plugin registered through ``register_linear_kernels`` for the weight dtype
+the model runs with (float32; float16 weights with float32 arithmetic for ``--dtype float16``;
+bfloat16) runs the linears when one is usable on this CPU (the highest priority; e.g.
+engine-cpu-kernels' AVX-512 or AVX2 GEMMs, chosen at run time by cpuid: for SmolLM2's float32
+linears 1.8x oneDNN's speed at one row, 1.3x at 16, equal at 512). Without one, float32 weights
+are prepacked for oneDNN (the weight becomes an opaque blocked mkldnn tensor and the forward is
+``torch.ops.mkldnn._linear_pointwise``, 1.2-1.5x ``F.linear``), float16 ones for fbgemm's fp16
+GEMM, bfloat16 ones run ``F.linear``. Elsewhere (CUDA) the forward stays ``F.linear``.
 
 These are the layers a quantization method may swap (see interfaces.QuantMethod): they say so
 with ``quantizable = True`` and expose ``in_features``, ``out_features``, ``bias`` and, when
@@ -154,12 +153,14 @@ def _(x, packed_id, bias, out_features):
 def plugin_weight_dtype(device: torch.device, dtype: torch.dtype,
                         half_weights: bool) -> str | None:
     """The weight dtype a registered linear kernel would keep here: "float16" for
-    ``--dtype float16`` on a CPU, "bfloat16" for a bfloat16 model on a CPU; else None."""
+    ``--dtype float16`` on a CPU, "bfloat16" for a bfloat16 model on a CPU, "float32" for a
+    float32 one there (contract 1.6; oneDNN runs them where no such kernel is usable); else
+    None."""
     if torch.device(device).type != "cpu":
         return None
     if half_weights:
         return "float16"
-    return "bfloat16" if dtype == torch.bfloat16 else None
+    return {torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(dtype)
 
 
 def kernel_label(entry) -> str:
@@ -177,9 +178,6 @@ def plugin_kernel(registries, device: torch.device, dtype: torch.dtype, half_wei
     from engine.registry import EngineError, resolve_linear_kernel
 
     weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
-    if weight_dtype is None and forced != "auto" and dtype == torch.float32 and \
-            torch.device(device).type == "cpu":
-        weight_dtype = "float32"  # a float32 kernel by name (by default: MoE experts only)
     if weight_dtype is None:
         if forced != "auto":
             raise EngineError(f"{LINEAR_KERNEL_ENV}={forced} asks for a plugin's linear kernel, "

@@ -22,7 +22,7 @@ def register_linear_kernels(register):
     priority = {"avx512_bf16": 30, "avx512_bf16_fma": 20, "avx512_fp16": 30,
                 "avx512_q8_0": 30, "avx2_bf16": 10, "avx2_fp16": 10, "avx2_q8_0": 10,
                 "avx512_q4_0": 30, "avx512_q4_1": 30, "avx2_q4_0": 10, "avx2_q4_1": 10,
-                # float32 weights: an MoE layer's experts (grouped GEMM) in a float32 model
+                # float32 weights: a float32 model's linears (oneDNN's below), MoE experts grouped
                 "avx512_f32": 30, "avx2_f32": 10,
                 # GGUF blocks: weight-only (float32 activations) before int8 activations, so
                 # that a GGUF model answers as its dequantized float32 weights do; the int8
