@@ -14,15 +14,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from engine.layers.moe import Expert
 from engine.models.block_weights import block_kernel
 from engine.models.checkpoint import open_checkpoint
-from engine.runner import ModelRunner
 from engine_testing.checkpoints import DEEPSEEK_CASES, YARN
 from engine_testing.generation import greedy_generate
 from engine_testing.gguf_writer import GLOBAL, PER_LAYER
-from engine_testing.logits import compare_prompt_logits
+from engine_testing.logits import compare_prompt_logits, float32_runner, hf_reference
 
 LOGIT_TOL = 1e-4  # max |ours - reference| <= LOGIT_TOL * max(1, max |reference|)
 PROMPTS = [[1, 17, 94, 301, 5, 77, 12], [3, 250, 251, 9], [44] * 5 + [45, 46]]
@@ -40,19 +38,7 @@ def overrides(case: str) -> tuple[str, dict]:
     return arch, ov
 
 
-def hf_model(path: str):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def runner_for(path, registries, device) -> ModelRunner:
-    runner = ModelRunner(path, registries=registries, device=device, dtype="float32")
-    runner.init_kv_pool(1024)
-    return runner
+hf_model, runner_for = hf_reference, float32_runner
 
 
 def dequantized_copy(hf_dir: str, gguf_path: str, out_dir: str) -> str:

@@ -10,6 +10,26 @@ from engine.quality import prefill_logits
 from engine_testing.generation import free_requests
 
 
+def hf_reference(path: str):
+    """The HF causal LM of checkpoint ``path`` as the references here run it: float32, eager
+    attention, eval mode, no EOS stop in ``generate``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def float32_runner(path: str, registries, device, tokens: int = 1024):
+    """A float32 ModelRunner of ``path`` with a KV pool of ``tokens`` slots."""
+    from engine.runner import ModelRunner
+
+    runner = ModelRunner(path, registries=registries, device=device, dtype="float32")
+    runner.init_kv_pool(tokens)
+    return runner
+
+
 def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     """max |ours - ref| <= tol * max(1, max |ref|): a tolerance relative to the logit scale."""
     diff = (ours - ref).abs().max().item()

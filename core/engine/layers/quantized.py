@@ -41,6 +41,7 @@ def swap_quantizable(model: nn.Module, make, ignored=frozenset()) -> nn.Module:
 class RowQuantLinear(nn.Module):
     storage_dtype: torch.dtype = torch.int8
     method = "quantized"
+    scale_names: tuple[str, ...] = ("weight_scale",)  # what the checkpoint calls the scales
 
     def __init__(self, in_features: int, out_features: int, bias_dtype: torch.dtype | None,
                  shards: dict[str, int] | None = None, prefix: str = ""):
@@ -60,6 +61,7 @@ class RowQuantLinear(nn.Module):
         self.prefix = prefix  # the checkpoint name of the layer (of its parent, when packed)
         self._came_as: dict[str, str] = {}  # shard ("" unpacked) -> "stored" or "quantized"
         self._ckpt_scales: dict[str, torch.Tensor] = {}
+        self._scale_names: dict[str, str] = {}  # shard -> the name its scale came under
 
     @property
     def storage_name(self) -> str:
@@ -88,7 +90,7 @@ class RowQuantLinear(nn.Module):
     # -- loading ---------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         required = ("weight", "bias") if self.bias is not None else ("weight",)
-        return required, ("weight_scale",)
+        return required, self.scale_names
 
     def _name(self, shard: str | None, local: str) -> str:
         return ".".join(p for p in (self.prefix, shard, local) if p)
@@ -105,18 +107,23 @@ class RowQuantLinear(nn.Module):
                 self.weight[start: start + rows].copy_(tensor)
                 self._came_as[key] = "stored"
             elif tensor.dtype.is_floating_point and tensor.element_size() > 1:
-                q, scale = self.quantize_rows(tensor.to(self.weight.device))
-                self.weight[start: start + rows].copy_(q)
-                self.weight_scale[start: start + rows].copy_(scale)
+                self.store_quantized(start, rows, tensor.to(self.weight.device))
                 self._came_as[key] = "quantized"
             else:
                 raise EngineError(f"Tensor '{self._name(shard, name)}' is {tensor.dtype}; "
                                   f"{self.method} checkpoints store {self.storage_name} "
                                   f"weights.")
-        elif name == "weight_scale":
+        elif name in self.scale_names:
             self._ckpt_scales[key] = tensor.float()
+            self._scale_names[key] = name
         elif name == "bias":
             self.bias[start: start + rows].copy_(tensor)
+
+    def store_quantized(self, start: int, rows: int, w: torch.Tensor) -> None:
+        """A float weight's rows [start, start + rows), quantized here (``quantize_rows``)."""
+        q, scale = self.quantize_rows(w)
+        self.weight[start: start + rows].copy_(q)
+        self.weight_scale[start: start + rows].copy_(scale)
 
     def finish_loading(self) -> None:
         """Put the checkpoint's scales in place, now that every tensor has arrived."""

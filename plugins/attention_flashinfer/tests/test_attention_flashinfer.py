@@ -41,6 +41,7 @@ from engine_attention_flashinfer.reference import (ReferenceDecodeWrapper,
                                                    trtllm_reference_ops)
 from engine_attention_flashinfer.trtllm_backend import TrtllmMhaBackend
 from engine_cli.main import cli
+from recording import recording, recording_function
 
 GPU = torch.cuda.is_available()
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -386,24 +387,6 @@ def test_workspace_and_prefill_backend_options(monkeypatch):
 
 
 # -- what the backends pass, against the real flashinfer signatures --------------------------
-def recording(cls, calls, name):
-    def record(method):
-        base = getattr(cls, method)
-
-        def call(self, *args, **kwargs):
-            calls.setdefault(f"{name}.{method}", []).append((args, kwargs))
-            return base(self, *args, **kwargs)
-        return call
-    return type(cls.__name__, (cls,), {m: record(m) for m in ("__init__", "plan", "run")})
-
-
-def recording_function(fn, calls, name):
-    def call(*args, **kwargs):
-        calls.setdefault(name, []).append((args, kwargs))
-        return fn(*args, **kwargs)
-    return call
-
-
 def recorded_calls():
     """Every call the two backends make into flashinfer over prompts, decodes, a mixed step,
     fp8 scales and a CUDA-graph capture and replay."""

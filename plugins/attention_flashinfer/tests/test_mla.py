@@ -26,6 +26,7 @@ from engine_testing.attention import run_mixed_steps, scattered_filler
 from engine_testing.generation import free_requests, greedy_matches_hf
 from engine_attention_flashinfer import mla_backend
 from engine_attention_flashinfer.mla_backend import FlashInferMLABackend, TrtllmMLABackend
+from recording import recording, recording_function
 from engine_attention_flashinfer.reference import (ReferenceMLAWrapper, mla_reference_ops,
                                                    reference_trtllm_mla_decode)
 
@@ -97,17 +98,6 @@ def test_deepseek_greedy_matches_hf(tiny_model_factory, registries, backend):
 
 
 # -- the calls against the real signatures ---------------------------------------------------
-def recording(cls, calls, name):
-    def record(method):
-        base = getattr(cls, method)
-
-        def call(self, *args, **kwargs):
-            calls.setdefault(f"{name}.{method}", []).append((args, kwargs))
-            return base(self, *args, **kwargs)
-        return call
-    return type(cls.__name__, (cls,), {m: record(m) for m in ("__init__", "plan", "run")})
-
-
 def recorded_calls() -> dict:
     """Every call the two backends make into flashinfer over prompts, decodes and a mixed
     step with cached prefixes."""
@@ -115,10 +105,7 @@ def recorded_calls() -> dict:
     ops = mla_reference_ops()
     ops.mla_wrapper = recording(ReferenceMLAWrapper, calls, "mla")
 
-    def decode(*args, **kwargs):
-        calls.setdefault("trtllm.mla_decode", []).append((args, kwargs))
-        return reference_trtllm_mla_decode(*args, **kwargs)
-    ops.mla_decode = decode
+    ops.mla_decode = recording_function(reference_trtllm_mla_decode, calls, "trtllm.mla_decode")
     pool, backends = make_backends(32, ops)
     gen = torch.Generator().manual_seed(3)
     for b in backends[:2]:

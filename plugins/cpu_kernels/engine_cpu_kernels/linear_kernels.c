@@ -1781,6 +1781,30 @@ static int check_args(int fmt, int isa, int64_t K) {
     return EK_OK;
 }
 
+/* The job's activations as its kernel reads them (j->M rows of x, row stride ldx): int8 blocks
+ * for the int8 formats, bfloat16 pairs for vdpbf16ps, float32 (with block sums for the Q4_1
+ * weight-only kernels) for the others. 0: out of memory. */
+static int prep_activations(job_t *j, const void *x, int xdt, int64_t ldx) {
+    const int fmt = j->fmt, isa = j->isa;
+    const int64_t M = j->M, K = j->K;
+    if (is_wo(fmt)) {
+        j->xa = act_wo(x, xdt, M, K, ldx, fmt == FMT_Q4_1_F32 && isa != ISA_SCALAR, &j->ldx,
+                       (float **)&j->dx);
+    } else if (fmt == FMT_Q8_0 || is_q4(fmt)) {
+        float *dx = NULL;
+        int32_t *sx = NULL;
+        j->xa = act_q8(x, xdt, M, K, ldx, fmt == FMT_Q8_0 && isa == ISA_AVX512, isa, &dx, &sx);
+        j->ldx = K;
+        j->dx = dx;
+        j->sx = sx;
+    } else if (fmt == FMT_BF16_PAIRS) {
+        j->xa = act_bf16(x, xdt, M, K, ldx, &j->ldx);
+    } else {
+        j->xa = act_f32(x, xdt, M, K, ldx, &j->ldx);
+    }
+    return j->xa != NULL;
+}
+
 /* y[M, N] (row stride ldy, float32 or bfloat16) = x[M, K] (row stride ldx) . W^T + bias.
  * Returns EK_OK or a negative EK_* code. */
 int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, int64_t ldx,
@@ -1790,22 +1814,7 @@ int ek_linear(int fmt, int isa, const void *x, int xdt, int64_t M, int64_t K, in
     if (bad != EK_OK) return bad;
     if (M <= 0 || N <= 0) return EK_OK;
     job_t j = {fmt, isa, NULL, 0, NULL, NULL, w, M, N, K, bias, y, ydt, ldy};
-    if (is_wo(fmt)) {
-        j.xa = act_wo(x, xdt, M, K, ldx, fmt == FMT_Q4_1_F32 && isa != ISA_SCALAR, &j.ldx,
-                      (float **)&j.dx);
-    } else if (fmt == FMT_Q8_0 || is_q4(fmt)) {
-        float *dx = NULL;
-        int32_t *sx = NULL;
-        j.xa = act_q8(x, xdt, M, K, ldx, fmt == FMT_Q8_0 && isa == ISA_AVX512, isa, &dx, &sx);
-        j.ldx = K;
-        j.dx = dx;
-        j.sx = sx;
-    } else if (fmt == FMT_BF16_PAIRS) {
-        j.xa = act_bf16(x, xdt, M, K, ldx, &j.ldx);
-    } else {
-        j.xa = act_f32(x, xdt, M, K, ldx, &j.ldx);
-    }
-    if (!j.xa) return EK_NO_MEMORY;
+    if (!prep_activations(&j, x, xdt, ldx)) return EK_NO_MEMORY;
     int64_t nt = (N + NR - 1) / NR;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > nt) nthreads = (int)nt;
@@ -1845,22 +1854,7 @@ int ek_grouped_linear(int fmt, int isa, const void *x, int xdt, int64_t R, int64
     for (int64_t e = 0; e < E; e++)
         if (offsets[e + 1] < offsets[e]) return EK_BAD_ARGS;
     job_t j = {fmt, isa, NULL, 0, NULL, NULL, NULL, R, N, K, NULL, y, ydt, ldy};
-    if (is_wo(fmt)) {
-        j.xa = act_wo(x, xdt, R, K, ldx, fmt == FMT_Q4_1_F32 && isa != ISA_SCALAR, &j.ldx,
-                      (float **)&j.dx);
-    } else if (fmt == FMT_Q8_0 || is_q4(fmt)) {
-        float *dx = NULL;
-        int32_t *sx = NULL;
-        j.xa = act_q8(x, xdt, R, K, ldx, fmt == FMT_Q8_0 && isa == ISA_AVX512, isa, &dx, &sx);
-        j.ldx = K;
-        j.dx = dx;
-        j.sx = sx;
-    } else if (fmt == FMT_BF16_PAIRS) {
-        j.xa = act_bf16(x, xdt, R, K, ldx, &j.ldx);
-    } else {
-        j.xa = act_f32(x, xdt, R, K, ldx, &j.ldx);
-    }
-    if (!j.xa) return EK_NO_MEMORY;
+    if (!prep_activations(&j, x, xdt, ldx)) return EK_NO_MEMORY;
     const int64_t es = ydt == DT_F32 ? 4 : 2, nt = (N + NR - 1) / NR, tb = tile_bytes(fmt, K);
     int64_t *active = malloc((size_t)E * sizeof(int64_t)), na = 0;
     if (!active) return EK_NO_MEMORY;

@@ -132,6 +132,17 @@ def unpack(packed: Packed) -> torch.Tensor:
     return out
 
 
+def run_format(fmt: int, weight_only: bool) -> int:
+    """The format code a kernel runs packed ``fmt`` weights with: their weight-only mode
+    (float32 activations) for the block formats with ``weight_only``."""
+    if not weight_only:
+        return fmt
+    if fmt not in WEIGHT_ONLY:
+        raise ValueError(f"weight-only runs the block formats ({', '.join(GGUF_BLOCKS)}), "
+                         f"not {FORMAT_NAMES.get(fmt, fmt)}")
+    return WEIGHT_ONLY[fmt]
+
+
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
            isa: int = ISA_AVX512, out: torch.Tensor | None = None,
            weight_only: bool = False) -> torch.Tensor:
@@ -140,12 +151,7 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None,
     dequantize the blocks in registers (the result is float32 ``x @ unpack(packed).T`` within
     float rounding) instead of quantizing the activations to int8 per block."""
     k, n = packed.k, packed.n
-    fmt = packed.fmt
-    if weight_only:
-        fmt = WEIGHT_ONLY.get(fmt)
-        if fmt is None:
-            raise ValueError(f"weight-only runs the block formats ({', '.join(GGUF_BLOCKS)}), "
-                             f"not {FORMAT_NAMES.get(packed.fmt, packed.fmt)}")
+    fmt = run_format(packed.fmt, weight_only)
     dt = X_DTYPES.get(x.dtype)
     if dt is None or not x.is_cpu:
         raise ValueError(f"the CPU kernels take float32 or bfloat16 activations on a CPU, got "
@@ -206,12 +212,7 @@ def grouped_linear(x: torch.Tensor, grp: Group, offsets: torch.Tensor, isa: int 
     (float32 or bfloat16; sorted by expert) times expert e's weight, into the same rows of the
     result [R, n] (x's dtype); the rows of an expert without a weight (None) are zero.
     ``offsets``: int64 [E + 1], 0 to R, ascending."""
-    fmt = grp.fmt
-    if weight_only:
-        fmt = WEIGHT_ONLY.get(fmt)
-        if fmt is None:
-            raise ValueError(f"weight-only runs the block formats ({', '.join(GGUF_BLOCKS)}), "
-                             f"not {FORMAT_NAMES.get(grp.fmt, grp.fmt)}")
+    fmt = run_format(grp.fmt, weight_only)
     dt = X_DTYPES.get(x.dtype)
     if dt is None or not x.is_cpu or x.dim() != 2 or x.shape[1] != grp.k:
         raise ValueError(f"the grouped CPU GEMM takes float32 or bfloat16 x [rows, {grp.k}] on "
@@ -241,7 +242,7 @@ def graph_nodes(packed: Packed, bias, x: torch.Tensor, y: torch.Tensor, max_rows
     from engine.cpu_graph import CArgs, GraphNode, GraphUnsupported
 
     lib = K_.load()
-    fmt = WEIGHT_ONLY.get(packed.fmt) if weight_only else packed.fmt
+    fmt = run_format(packed.fmt, weight_only)
     for t, what in ((x, "x"), (y, "y")):
         if t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1 or \
                 t.shape[0] < max_rows:

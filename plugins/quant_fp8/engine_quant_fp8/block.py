@@ -60,6 +60,7 @@ class FP8BlockLinear(RowQuantLinear):
 
     storage_dtype = E4M3
     method = "block-wise FP8"
+    scale_names = SCALE_NAMES
 
     def __init__(self, *args, block: tuple[int, int], **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,7 +70,6 @@ class FP8BlockLinear(RowQuantLinear):
             self.out_features, block_grid(1, self.in_features, self.block)[1],
             dtype=torch.float32), requires_grad=False)
         self.fast = False
-        self._scale_names: dict[str, str] = {}  # shard -> the scale's name in the checkpoint
 
     @classmethod
     def like(cls, layer, prefix: str, block: tuple[int, int]):
@@ -77,34 +77,10 @@ class FP8BlockLinear(RowQuantLinear):
         return cls(layer.in_features, layer.out_features, bias, layer.shards, prefix,
                    block=block)
 
-    def checkpoint_tensors(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        required = ("weight", "bias") if self.bias is not None else ("weight",)
-        return required, SCALE_NAMES
-
-    def load_tensor(self, name: str, tensor: torch.Tensor, shard: str | None) -> None:
-        start, rows = self.shard_rows(shard) if shard else (0, self.out_features)
-        key = shard or ""
-        if name == "weight":
-            if tuple(tensor.shape) != (rows, self.in_features):
-                raise EngineError(f"Tensor '{self._name(shard, name)}' has shape "
-                                  f"{tuple(tensor.shape)} in the checkpoint but the model "
-                                  f"expects {(rows, self.in_features)}.")
-            if tensor.dtype == E4M3:
-                self.weight[start: start + rows].copy_(tensor)
-                self._came_as[key] = "stored"
-            elif tensor.dtype.is_floating_point and tensor.element_size() > 1:
-                q, scale = quantize_blocks(tensor.to(self.weight.device), self.block)
-                self.weight[start: start + rows].copy_(q)
-                self._expand(start, rows, scale)
-                self._came_as[key] = "quantized"
-            else:
-                raise EngineError(f"Tensor '{self._name(shard, name)}' is {tensor.dtype}; "
-                                  f"block-wise FP8 checkpoints store float8_e4m3fn weights.")
-        elif name in SCALE_NAMES:
-            self._ckpt_scales[key] = tensor.float()
-            self._scale_names[key] = name
-        elif name == "bias":
-            self.bias[start: start + rows].copy_(tensor)
+    def store_quantized(self, start: int, rows: int, w: torch.Tensor) -> None:
+        q, scale = quantize_blocks(w, self.block)
+        self.weight[start: start + rows].copy_(q)
+        self._expand(start, rows, scale)
 
     def _expand(self, start: int, rows: int, scale: torch.Tensor) -> None:
         """Each of rows [start, start + rows) gets its block row's factors."""
