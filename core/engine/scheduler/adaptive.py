@@ -92,7 +92,7 @@ CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of e
 HAZARD_MIN = 0.05
 EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
 EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
-FLOOR_BUDGET = 32  # the floor holds while victims number at most 1 + 1 per this many finished
+FLOOR_BUDGET = 16  # the floor holds while victims number at most 1 + 1 per this many finished
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
 # the curve is only its prior
 
