@@ -1,7 +1,9 @@
 """An MoE layer (engine.layers.moe.SparseMoE) against a dense MLP with the same active FLOPs,
 float32 on this CPU, at several token counts: the MoE layer as the engine runs it on a CPU
 (its experts grouped, two calls into a plugin's grouped GEMM: layers/moe_grouped.py) and with
-the per-expert loop (one oneDNN GEMM per active expert, ``ENGINE_MOE_KERNEL=per_expert``).
+the per-expert loop (one oneDNN GEMM per active expert, ``ENGINE_MOE_KERNEL=per_expert``); the
+dense layer's linears as the engine runs them (engine-cpu-kernels' float32 kernel where it runs,
+else oneDNN).
 
 The MoE block has E experts of intermediate size I, each token routed to k of them; the dense
 MLP (the Llama family's, engine.models.llama.MLP) has intermediate size k x I, so a token costs
@@ -118,7 +120,8 @@ def build(args) -> tuple[list[list[torch.nn.Module]], list[int], str]:
             if side == 2:
                 line = group_moe_layers(m, torch.device("cpu"), torch.float32, False,
                                         registries)
-            prepack_linears(m, torch.device("cpu"), torch.float32)
+            prepack_linears(m, torch.device("cpu"), torch.float32,
+                            registries=registries if side != 1 else None)
         sides.append(layers)
     if "grouped GEMMs" not in line:
         print(f"no grouped side: {line}")
