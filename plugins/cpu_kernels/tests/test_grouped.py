@@ -144,3 +144,31 @@ def test_float32_kernel_by_name_runs_every_linear(tiny_model_dir, registries, cp
     assert "oneDNN" in core.linear_kernel
     a, b = prefill_logits(ours, PROMPTS, True), prefill_logits(core, PROMPTS, True)
     assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+MIXED = ["Hello there friend", "Flat is better than nested. " * 4, "a b a b a b a b a b", "zz"]
+KINDS = [{"temperature": 0, "max_new_tokens": 12},  # greedy
+         {"temperature": 0.8, "seed": 5, "max_new_tokens": 10},  # seeded sampling
+         {"temperature": 1.0, "seed": 7, "n": 2, "max_new_tokens": 8},  # n > 1
+         {"temperature": 0, "max_new_tokens": 6, "logprobs": True, "top_logprobs": 3}]
+
+
+@pytest.mark.parametrize("mode", [{}, {"enable_overlap_schedule": True},
+                                  {"chunked_prefill_size": 8},
+                                  {"speculative_algorithm": "NGRAM"}],
+                         ids=["plain", "overlap", "chunked", "ngram"])
+def test_grouped_experts_serve_every_mode_as_the_loop(mode, tiny_model_factory, monkeypatch):
+    """Greedy, seeded sampling, n = 2 and logprobs requests in one batch through the engine,
+    each scheduler mode: the grouped experts give the per-expert loop's tokens."""
+    from engine import Engine
+
+    arch, overrides = MOE_CASES["qwen3_moe_mlp_only"]
+    path = tiny_model_factory(arch, **overrides)
+    outs = []
+    for kernel in ("auto", "per_expert"):
+        monkeypatch.setenv("ENGINE_MOE_KERNEL", kernel)
+        engine = Engine(path, max_total_tokens=2048, grammar_backend="none", **mode)
+        assert engine.runner.moe_kernel.startswith(
+            "MoE layers: grouped GEMMs" if kernel == "auto" else "MoE layers: per-expert")
+        outs.append([o["output_ids"] for o in engine.generate(MIXED, KINDS)])
+    assert outs[0] == outs[1]
