@@ -78,6 +78,12 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(weight_dtype), ids
 
 
+def weighted(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs ``y`` [n, hidden] times their routing weights ``w`` [n, 1], in ``dtype``
+    (in place where the dtypes already agree)."""
+    return y.mul_(w) if y.dtype == w.dtype == dtype else (y * w).to(dtype)
+
+
 class Expert(nn.Module):
     """One expert's SwiGLU MLP, its projections named as the checkpoint names them (Qwen3-MoE:
     gate_proj, up_proj, down_proj; Mixtral: w1, w3, w2): gate and up are one packed
@@ -156,17 +162,13 @@ class SparseMoE(nn.Module):
         # for half models: one rounding at the end, as a sum over the k experts would)
         out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
         if self.grouped is not None:  # every expert's rows in two calls (absent ones: zero)
-            y = self.grouped(rows, counts)
-            y = y.mul_(pair_weights) if y.dtype == pair_weights.dtype == out.dtype else \
-                (y * pair_weights).to(out.dtype)
-            return out.index_add_(0, tokens, y)
+            return out.index_add_(0, tokens, weighted(self.grouped(rows, counts), pair_weights,
+                                                      out.dtype))
         start = 0
         for expert, n in zip(self.experts, counts.tolist()):
             end = start + n
             if n and not isinstance(expert, AbsentExpert):
-                y = expert(rows[start:end])
-                y = y.mul_(pair_weights[start:end]) if y.dtype == pair_weights.dtype == \
-                    out.dtype else (y * pair_weights[start:end]).to(out.dtype)
+                y = weighted(expert(rows[start:end]), pair_weights[start:end], out.dtype)
                 out.index_add_(0, tokens[start:end], y)
             start = end
         return out

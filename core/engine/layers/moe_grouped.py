@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import LINEAR_KERNEL_ENV, PrepackedWeight, kernel_label, \
-    plugin_weight_dtype
+    plugin_kernel, plugin_weight_dtype
 from engine.layers.moe import AbsentExpert, SparseMoE
 from engine.layers.moe_fused import MOE_KERNEL_ENV, plain_reason
 
@@ -44,10 +44,6 @@ class GroupedExperts:
         (k1, g1), (k2, g2) = self.gate_up, self.down
         gate, up = k1.grouped_linear(rows, g1, offsets).split(self.intermediate, dim=-1)
         return k2.grouped_linear(F.silu(gate).mul_(up), g2, offsets)
-
-    @property
-    def kernels(self) -> list:
-        return [self.gate_up[0], self.down[0]]
 
 
 def _projections(moe: SparseMoE) -> list[list[nn.Module | None]]:
@@ -83,14 +79,10 @@ def grouped_kernel(registries, device: torch.device, dtype: torch.dtype, half_we
         return None, f"{LINEAR_KERNEL_ENV}={forced} keeps the core's own kernels"
     if registries is None:
         return None, "no plugin registries"
-    weight_dtype = plugin_weight_dtype(device, dtype, half_weights) or (
-        "float32" if dtype == torch.float32 else None)
+    weight_dtype = plugin_weight_dtype(device, dtype, half_weights)
     if weight_dtype is None:
         return None, f"no plugin kernel keeps {dtype} weights"
-    from engine.registry import resolve_linear_kernel
-
-    entry = resolve_linear_kernel(registries, weight_dtype, torch.device(device),
-                                  None if forced == "auto" else forced)
+    entry = plugin_kernel(registries, device, dtype, half_weights)  # the dense linears' kernel
     if entry is None:
         return None, (f"no usable linear kernel registered for {weight_dtype} weights on this "
                       f"CPU (engine-cpu-kernels has grouped GEMMs for AVX2 and AVX-512)")

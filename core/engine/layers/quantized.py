@@ -129,7 +129,7 @@ class RowQuantLinear(nn.Module):
         """Put the checkpoint's scales in place, now that every tensor has arrived."""
         for shard, (start, rows) in (self._offsets or {"": (0, self.out_features)}).items():
             scale = self._ckpt_scales.pop(shard, None)
-            name = self._name(shard or None, "weight_scale")
+            name = self._name(shard or None, self._scale_names.pop(shard, self.scale_names[0]))
             if self._came_as.get(shard) == "quantized":
                 if scale is not None:
                     raise EngineError(f"The checkpoint has '{name}' for a weight that is not "
@@ -138,12 +138,17 @@ class RowQuantLinear(nn.Module):
             if scale is None:
                 raise EngineError(f"The checkpoint's '{self._name(shard or None, 'weight')}' "
                                   f"is {self.storage_name} but it has no '{name}'.")
-            if scale.numel() not in (1, rows):
-                raise EngineError(
-                    f"'{name}' has shape {tuple(scale.shape)}; expected one scale per tensor "
-                    f"or per output channel ({rows}). Block-wise scales are not supported.")
-            self.weight_scale[start: start + rows].copy_(scale.reshape(-1, 1).expand(rows, 1))
+            self.place_scale(name, start, rows, scale)
         self._came_as.clear()
+
+    def place_scale(self, name: str, start: int, rows: int, scale: torch.Tensor) -> None:
+        """The checkpoint's scale ``name`` of rows [start, start + rows), checked and stored:
+        one per tensor or per output channel."""
+        if scale.numel() not in (1, rows):
+            raise EngineError(
+                f"'{name}' has shape {tuple(scale.shape)}; expected one scale per tensor "
+                f"or per output channel ({rows}). Block-wise scales are not supported.")
+        self.weight_scale[start: start + rows].copy_(scale.reshape(-1, 1).expand(rows, 1))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -296,6 +296,10 @@ class GGUFFile:
         raw = torch.from_numpy(np.array(info.data, dtype=np.uint8).reshape(rows, -1))
         return fmt, self._unpermuted(name, raw, hf).contiguous()
 
+    def _expert_name(self, layer: int, expert: int, proj: str) -> str:
+        """Our (HF's) name of one expert's projection weight of a stacked tensor."""
+        return f"model.layers.{layer}.{self.moe.experts}.{expert}.{proj}.weight"
+
     def _expert_infos(self) -> dict:
         """Our name of each expert's weight -> (its stacked tensor's info, the expert)."""
         if not hasattr(self, "_by_expert"):
@@ -305,8 +309,7 @@ class GGUFFile:
                 if stack is not None and len(t.shape) == 3:
                     layer, proj = stack
                     for e in range(int(t.shape[-1])):
-                        self._by_expert[f"model.layers.{layer}.{self.moe.experts}.{e}.{proj}"
-                                        f".weight"] = (t, e)
+                        self._by_expert[self._expert_name(layer, e, proj)] = (t, e)
         return self._by_expert
 
     def _unpermuted(self, name: str, rows: torch.Tensor, hf: dict) -> torch.Tensor:
@@ -354,9 +357,7 @@ class GGUFFile:
                 name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
                 if keep is not None and not keep(name):
                     continue
-                shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-                halves.setdefault(layer, {})[which] = torch.from_numpy(
-                    self.array(info).reshape(shape))
+                halves.setdefault(layer, {})[which] = torch.from_numpy(self.array(info))
                 if len(halves[layer]) == 2:
                     kv = halves.pop(layer)
                     try:
@@ -382,8 +383,7 @@ class GGUFFile:
                  ) -> Iterator[tuple[str, torch.Tensor]]:
         """The stacked tensor ``info`` as its experts' weights, each dequantized on its own
         (only those ``keep`` accepts)."""
-        names = [f"model.layers.{layer}.{self.moe.experts}.{e}.{proj}.weight"
-                 for e in range(int(info.shape[-1]))]
+        names = [self._expert_name(layer, e, proj) for e in range(int(info.shape[-1]))]
         for e, name in enumerate(names):
             if keep is None or keep(name):
                 yield name, torch.from_numpy(self.array(info, e)).to(dtype).contiguous()

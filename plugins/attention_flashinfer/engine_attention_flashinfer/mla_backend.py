@@ -169,11 +169,11 @@ class TrtllmMLABackend(FlashInferMLABackend):
         pool.set_latent(layer_id, batch.out_cache_loc, latent)
         B = batch.batch_size
         kv_cache = pool.k_buffer[layer_id].view(-1, 1, pool.page_size, self.dim)
-        scale = float(pool.k_scale[layer_id]) if pool.needs_scale else 1.0
+        # unscaled caches only (check_context refuses fp8 ones): bmm2_scale 1
         out = self.ops.mla_decode(
             query=q.contiguous().view(B, 1, self.heads, self.dim), kv_cache=kv_cache,
             workspace_buffer=self.workspace, qk_nope_head_dim=self.nope,
             kv_lora_rank=self.lora, qk_rope_head_dim=self.dim - self.lora,
             block_tables=t.block_tables, seq_lens=t.seq_lens, max_seq_len=t.max_kv_len,
-            bmm1_scale=self.scaling * scale, bmm2_scale=scale)
+            bmm1_scale=self.scaling, bmm2_scale=1.0)
         return out.view(B, self.heads, self.lora)

@@ -29,7 +29,7 @@ FMT_F16, FMT_BF16, FMT_BF16_PAIRS, FMT_Q8_0, FMT_Q4_0, FMT_Q4_1 = 0, 1, 2, 3, 4,
 # FMT_Q4_0 / FMT_Q4_1), float32 activations, weights dequantized in registers
 FMT_Q8_0_F32, FMT_Q4_0_F32, FMT_Q4_1_F32 = 6, 7, 8
 WEIGHT_ONLY = {FMT_Q8_0: FMT_Q8_0_F32, FMT_Q4_0: FMT_Q4_0_F32, FMT_Q4_1: FMT_Q4_1_F32}
-FMT_F32 = 9  # float32 weights in k-major tiles (an MoE layer's experts in a float32 model)
+FMT_F32 = 9  # float32 weights in k-major tiles (a float32 model's linears and MoE experts)
 ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 DT_F32, DT_BF16 = 0, 1
 FEAT_AVX2, FEAT_AVX512, FEAT_AVX512_BF16, FEAT_AVX512_VNNI = 1, 2, 4, 8

@@ -87,21 +87,9 @@ class FP8BlockLinear(RowQuantLinear):
         per_row = scale.repeat_interleave(self.block[0], dim=0)[:rows]
         self.row_scales[start: start + rows].copy_(per_row.to(self.row_scales.device))
 
-    def finish_loading(self) -> None:
-        for shard, (start, rows) in (self._offsets or {"": (0, self.out_features)}).items():
-            scale = self._ckpt_scales.pop(shard, None)
-            name = self._name(shard or None, self._scale_names.pop(shard, SCALE_NAMES[0]))
-            if self._came_as.get(shard) == "quantized":
-                if scale is not None:
-                    raise EngineError(f"The checkpoint has '{name}' for a weight that is not "
-                                      f"float8_e4m3fn.")
-                continue
-            if scale is None:
-                raise EngineError(f"The checkpoint's '{self._name(shard or None, 'weight')}' "
-                                  f"is float8_e4m3fn but it has no '{name}'.")
-            check_scale(name, scale, rows, self.in_features, self.block)
-            self._expand(start, rows, scale)
-        self._came_as.clear()
+    def place_scale(self, name: str, start: int, rows: int, scale: torch.Tensor) -> None:
+        check_scale(name, scale, rows, self.in_features, self.block)
+        self._expand(start, rows, scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in ``dtype``: q times its block's factor."""
@@ -132,6 +120,7 @@ class FP8Latent(LatentProjection):
         self.out_dtype, self.block, self.prefix = dtype, block, prefix
         self._stored: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
+        self._scale_name = SCALE_NAMES[0]  # what the checkpoint called it
 
     @classmethod
     def like(cls, layer: LatentProjection, prefix: str, block: tuple[int, int] | None):
@@ -143,7 +132,7 @@ class FP8Latent(LatentProjection):
 
     def load_tensor(self, name: str, tensor: torch.Tensor, shard: str | None) -> None:
         if name in SCALE_NAMES:
-            self._scale = tensor.float()
+            self._scale, self._scale_name = tensor.float(), name
             return
         if tuple(tensor.shape) != tuple(self.weight.shape):
             raise EngineError(f"Tensor '{self.prefix}.weight' has shape {tuple(tensor.shape)} "
@@ -156,7 +145,7 @@ class FP8Latent(LatentProjection):
 
     def finish_loading(self) -> None:
         q, scale, self._stored, self._scale = self._stored, self._scale, None, None
-        name = f"{self.prefix}.weight_scale_inv"
+        name = f"{self.prefix}.{self._scale_name}"
         if q is None:
             if scale is not None:
                 raise EngineError(f"The checkpoint has '{name}' for a weight that is not "
