@@ -199,3 +199,32 @@ def test_ngram_speculation_gives_the_same_answers(engine):
     got = spec.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in plain]
     assert spec.scheduler.spec.stats.accepted > 10
+
+
+def test_int8_activations_verify_drafts_identically(engine):
+    """With llama.cpp's arithmetic (--quantization w8a8_int8: the Q4_1 blocks times int8
+    activations) a last-bit difference anywhere upstream can change a token, so a verified
+    draft row must get the bits it gets decoded alone (batch-invariant kernels and attention):
+    NGRAM with every draft verified gives the tokens of decoding without drafts, each prompt
+    alone and all together."""
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He "
+               "trimmed the wick, polished the great lens, and wound the clockwork that turned "
+               "the light.")
+    prompts = [chat_ids(engine, f"Repeat the following text exactly, word for word:\n\n"
+                                f"{passage}"),
+               chat_ids(engine, f"Repeat this text twice:\n\n{passage}"),
+               chat_ids(engine, QUESTIONS[0])]
+    params = {"temperature": 0, "max_new_tokens": 96}
+    plain = Engine(max_total_tokens=8192, quantization="w8a8_int8")
+    assert "int8 activations" in plain.runner.linear_kernel
+    spec = Engine(max_total_tokens=8192, quantization="w8a8_int8",
+                  speculative_algorithm="NGRAM")
+    spec.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    for batch in ([p] for p in prompts):
+        ref = plain.generate(input_ids=batch, sampling_params=params)
+        got = spec.generate(input_ids=batch, sampling_params=params)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    ref = plain.generate(input_ids=prompts, sampling_params=params)
+    got = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    assert spec.scheduler.spec.stats.accepted > 30

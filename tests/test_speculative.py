@@ -198,6 +198,23 @@ def test_the_cpu_graph_verifies_drafts(tiny_gguf_factory):
     assert got == ref and engine.scheduler.spec.stats.accepted > 0
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_int8_activations_verify_drafts_identically(qtype, tiny_gguf_factory):
+    """llama.cpp's arithmetic (--quantization w8a8_int8 on a GGUF's blocks: activations
+    quantized to int8 per block of 32) turns a last-bit difference upstream into another
+    token, so a verified row must get the bits it gets decoded alone: the linear kernels and
+    the attention (its split-KV chunks) are batch-invariant. One request alone (its keys split
+    over the threads) and eight beside each other (not split), contexts across chunk sizes."""
+    gguf = tiny_gguf_factory("llama", qtype)
+    for n in (1, 8):
+        prompts = [ids(70 + i, 30 + 23 * i, vocab=200) for i in range(n)]
+        params = [{**GREEDY, "max_new_tokens": 40 + 9 * i} for i in range(n)]
+        ref, got, engine = compare(gguf, prompts, params, quantization="w8a8_int8")
+        assert "int8 activations" in engine.runner.linear_kernel
+        assert engine.runner.cpu_graph is not None and engine.runner.cpu_graph.replays > 0
+        assert got == ref and engine.scheduler.spec.stats.accepted > 0
+
+
 def test_a_grammar_constrained_request_is_identical(model):
     from engine.interfaces import Constraint
 

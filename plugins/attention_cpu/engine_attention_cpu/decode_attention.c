@@ -7,7 +7,12 @@
  * than 4 per thread) each request's keys are cut into chunks so that every thread has work
  * (split-KV, "flash decoding"): each chunk leaves its softmax state (max, sum, weighted values)
  * in scratch and a second phase, after a barrier, merges a request's chunks. Items are dealt
- * round-robin to the threads. Where the head dim is a multiple of 16 (up to 128) the scores of
+ * round-robin to the threads. Batch-invariant: a request's keys are cut into the same chunks
+ * (their size a function of its own key count alone) and the chunks' states folded in the same
+ * order whether the chunks are split over the threads or one thread attends the whole
+ * request, so a row's result does not depend on the other rows of the step (a token verified
+ * among drafts gets the bits it gets when decoded alone; with int8 activations a last-bit
+ * difference can change a token). Where the head dim is a multiple of 16 (up to 128) the scores of
  * 16 keys are reduced together, the softmax's exp runs on 16 lanes and the weighted values
  * accumulate in registers (attend_keys_v); other head dims take the plain loops (attend_keys).
  *
@@ -30,7 +35,8 @@
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define BLOCK 32        /* keys per online-softmax block */
 #define PREFETCH 16     /* keys ahead whose K and V rows are prefetched (into L2) */
-#define MIN_CHUNK 32    /* fewest keys in a split chunk */
+#define MIN_CHUNK 32    /* fewest keys in a chunk */
+#define CHUNKS 4        /* a request's keys are cut into at most this many chunks */
 #define MAX_ITEMS 128   /* split items per call (the scratch holds their states) */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -114,17 +120,25 @@ static inline int64_t key_start(const prob_t *p, int64_t b) {
     return (p->window > 0 && L > p->window) ? L - p->window : 0;
 }
 
-/* chunk size for this call (0: no split, one item per request) */
-static int64_t chunk_size(const prob_t *p, int nth) {
+/* keys per chunk of request b: a multiple of 16, a function of its own key count alone */
+static inline int64_t req_chunk(const prob_t *p, int64_t b) {
+    const int64_t W = p->seq_lens[b] - key_start(p, b);
+    const int64_t C = (W + 16 * CHUNKS - 1) / (16 * CHUNKS) * 16;
+    return C < MIN_CHUNK ? MIN_CHUNK : C;
+}
+
+static inline int64_t row_chunks(const prob_t *p, int64_t b) {
+    const int64_t W = p->seq_lens[b] - key_start(p, b), C = req_chunk(p, b);
+    return W > C ? (W + C - 1) / C : 1;
+}
+
+/* whether this call's items are chunks (split over the threads) rather than whole requests:
+ * with few requests (fewer than 4 per thread), where the scratch holds every chunk's state */
+static int split_items(const prob_t *p, int nth) {
     if (!p->partial || p->B >= 4 * nth) return 0;
-    int64_t W = 0;
-    for (int64_t b = 0; b < p->B; b++) W += p->seq_lens[b] - key_start(p, b);
-    const int64_t target = 4 * nth < 64 ? 4 * nth : 64;
-    int64_t C = (W + target - 1) / target;
-    if (C < MIN_CHUNK) C = MIN_CHUNK;
     int64_t items = 0;
-    for (int64_t b = 0; b < p->B; b++) items += (p->seq_lens[b] - key_start(p, b) + C - 1) / C;
-    return items > MAX_ITEMS ? 0 : C;
+    for (int64_t b = 0; b < p->B; b++) items += row_chunks(p, b);
+    return items <= MAX_ITEMS;
 }
 
 static inline const float *load_row(const void *pool, int dtype, int64_t off, int64_t n,
@@ -184,10 +198,11 @@ static inline const float *next_key(const prob_t *p, const int32_t *tab, int64_t
 }
 
 /* keys [j0, j1) of `tab` for every head of one query row: m, l (per head) and acc (H x D)
- * hold the online-softmax state, initialised here */
+ * hold the online-softmax state, initialised here; keys up to jp (>= j1: the item's end, so
+ * that a whole request's next chunk is on its way) are prefetched */
 static void attend_keys(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
-                        int64_t j1, float *m, float *l, float *acc) {
-    prefetch_keys(p, tab, j0, j0 + PREFETCH < j1 ? j0 + PREFETCH : j1);
+                        int64_t j1, int64_t jp, float *m, float *l, float *acc) {
+    prefetch_keys(p, tab, j0, j0 + PREFETCH < jp ? j0 + PREFETCH : jp);
     const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D;
     float s[H * BLOCK], tmp[row];
     for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
@@ -195,7 +210,7 @@ static void attend_keys(const prob_t *p, const float *q, const int32_t *tab, int
     for (int64_t jb = j0; jb < j1; jb += BLOCK) {
         const int64_t n = j1 - jb < BLOCK ? j1 - jb : BLOCK;
         for (int64_t j = 0; j < n; j++) {
-            const float *k = next_key(p, tab, jb + j, j1, tmp);
+            const float *k = next_key(p, tab, jb + j, jp, tmp);
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = q + h * D, *kh = k + (h / G) * D;
                 float dot = 0.0f;
@@ -312,8 +327,8 @@ static inline void weighted_rows(float *acc, const float *const *rows, const flo
  * vectors of partial sums reduced together (hsum16), and the weighted values accumulate per
  * head over the block's rows in registers */
 static void attend_keys_v(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
-                          int64_t j1, float *m, float *l, float *acc) {
-    prefetch_keys(p, tab, j0, j0 + PREFETCH < j1 ? j0 + PREFETCH : j1);
+                          int64_t j1, int64_t jp, float *m, float *l, float *acc) {
+    prefetch_keys(p, tab, j0, j0 + PREFETCH < jp ? j0 + PREFETCH : jp);
     const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D, DV = D / 16;
     const int convert = p->dtype != F32 || p->k_scale != 1.0f || p->v_scale != 1.0f;
     v16 part[H * 16];
@@ -324,7 +339,7 @@ static void attend_keys_v(const prob_t *p, const float *q, const int32_t *tab, i
     for (int64_t jb = j0; jb < j1; jb += 16) {
         const int64_t n = j1 - jb < 16 ? j1 - jb : 16;
         for (int64_t j = 0; j < n; j++) {
-            const float *k = next_key(p, tab, jb + j, j1, kt);
+            const float *k = next_key(p, tab, jb + j, jp, kt);
             for (int64_t kh = 0, h = 0; kh < KVH; kh++)
                 for (int64_t g = 0; g < G; g++, h++)
                     part[h * 16 + j] = DV == 4 ? dot16(q + h * D, k + kh * D, 4)
@@ -374,80 +389,95 @@ static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n,
 
 /* the vector path where the head dim allows it */
 static inline void attend(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
-                          int64_t j1, float *m, float *l, float *acc) {
-    if (p->D % 16 == 0 && p->D <= 128) attend_keys_v(p, q, tab, j0, j1, m, l, acc);
-    else attend_keys(p, q, tab, j0, j1, m, l, acc);
+                          int64_t j1, int64_t jp, float *m, float *l, float *acc) {
+    if (p->D % 16 == 0 && p->D <= 128) attend_keys_v(p, q, tab, j0, j1, jp, m, l, acc);
+    else attend_keys(p, q, tab, j0, j1, jp, m, l, acc);
 }
 
-static inline int64_t row_chunks(const prob_t *p, int64_t b, int64_t C) {
-    return C ? (p->seq_lens[b] - key_start(p, b) + C - 1) / C : 1;
+/* a chunk's softmax state (mc, lc, ac) folded into the running one (m, l, acc): the one order
+ * both the split merge and a whole request's attend use */
+static void fold(int64_t H, int64_t D, float *m, float *l, float *acc, const float *mc,
+                 const float *lc, const float *ac) {
+    for (int64_t h = 0; h < H; h++) {
+        const float mx = mc[h] > m[h] ? mc[h] : m[h];
+        const float a = expf(m[h] - mx), b = expf(mc[h] - mx);
+        l[h] = l[h] * a + lc[h] * b;
+        float *oh = acc + h * D;
+        const float *ch = ac + h * D;
+        for (int64_t d = 0; d < D; d++) oh[d] = oh[d] * a + ch[d] * b;
+        m[h] = mx;
+    }
 }
 
-/* phase 1 on thread tid of nth: the items, chunk C (0: whole requests); dealt round-robin, or
- * with `next` claimed one at a time as threads come free (the graph node) */
-static void attend_items(const prob_t *p, int64_t C, ek_counter_t *next, const ek_step_t *s,
+/* phase 1 on thread tid of nth: the items (split: every request's chunks; else whole
+ * requests, their chunks attended and folded in turn); dealt round-robin, or with `next`
+ * claimed one at a time as threads come free (the graph node) */
+static void attend_items(const prob_t *p, int split, ek_counter_t *next, const ek_step_t *s,
                          int tid, int nth) {
     const int64_t H = p->H, D = p->D, row = p->KVH * D, state = 2 * H + H * D;
-    float m[H], l[H], acc[H * D];
+    float m[H], l[H], acc[H * D], mc[H], lc[H], ac[H * D];
     int64_t total = 0;
-    for (int64_t b = 0; b < p->B; b++) total += row_chunks(p, b, C);
+    if (split)
+        for (int64_t b = 0; b < p->B; b++) total += row_chunks(p, b);
+    else
+        total = p->B;
     /* the row b holding the claimed item, its first item and chunk count: claims only grow */
-    int64_t b = 0, first = 0, chunks = p->B ? row_chunks(p, 0, C) : 0;
+    int64_t b = 0, first = 0, chunks = p->B ? (split ? row_chunks(p, 0) : 1) : 0;
     for (int64_t k = 0;; k++) {
         const int64_t item = next ? ek_claim(next, s, 1, total) : tid + k * nth;
         if (item < 0 || item >= total) break;
         while (item >= first + chunks) {
             first += chunks;
-            chunks = row_chunks(p, ++b, C);
+            chunks = split ? row_chunks(p, ++b) : (++b, 1);
         }
-        const int64_t c = item - first, L = p->seq_lens[b], start = key_start(p, b);
+        const int64_t L = p->seq_lens[b], start = key_start(p, b), C = req_chunk(p, b);
         const int64_t qrow = p->q_rows ? p->q_rows[b] : b;
+        const float *q = p->q + qrow * p->ldq;
         const int32_t *tab = p->table + p->req_rows[b] * p->table_stride;
-        const int64_t j0 = start + c * C, j1 = C && j0 + C < L ? j0 + C : L;
-        if (p->k_new && j1 == L) { /* the chunk that reads the new token stores it */
+        const int64_t c = item - first, j0 = split ? start + c * C : start;
+        const int64_t j1 = split && j0 + C < L ? j0 + C : L;
+        if (p->k_new && j1 == L) { /* the item that reads the new token stores it */
             const int64_t off = p->new_slots[b] * row;
             store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row, p->scaled,
                   p->k_scale);
             store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row, p->scaled,
                   p->v_scale);
         }
-        if (chunks == 1) {
-            attend(p, p->q + qrow * p->ldq, tab, j0, j1, m, l, acc);
-            finish(l, acc, H, D, p->out + qrow * p->ldo);
-        } else {
+        if (split && chunks > 1) {
             float *st = p->partial + item * state;
-            attend(p, p->q + qrow * p->ldq, tab, j0, j1, st, st + H, st + 2 * H);
+            attend(p, q, tab, j0, j1, j1, st, st + H, st + 2 * H);
+            continue;
         }
+        /* a whole request: its chunks in order, each folded into the first */
+        const int64_t n = split ? 1 : row_chunks(p, b);
+        attend(p, q, tab, j0, n > 1 && j0 + C < j1 ? j0 + C : j1, j1, m, l, acc);
+        for (int64_t i = 1; i < n; i++) {
+            const int64_t a0 = j0 + i * C, a1 = a0 + C < j1 ? a0 + C : j1;
+            attend(p, q, tab, a0, a1, j1, mc, lc, ac);
+            fold(H, D, m, l, acc, mc, lc, ac);
+        }
+        finish(l, acc, H, D, p->out + qrow * p->ldo);
     }
 }
 
-/* phase 2 (after a barrier): each split request's chunks merged into its output */
-static void merge_items(const prob_t *p, int64_t C, int tid, int nth) {
-    if (!C) return;
+/* phase 2 (after a barrier): each split request's chunks folded in order into its output */
+static void merge_items(const prob_t *p, int split, int tid, int nth) {
+    if (!split) return;
     const int64_t H = p->H, D = p->D, state = 2 * H + H * D;
+    float m[H], l[H], acc[H * D];
     int64_t item = 0;
     for (int64_t b = 0; b < p->B; b++) {
-        const int64_t L = p->seq_lens[b], chunks = (L - key_start(p, b) + C - 1) / C;
+        const int64_t chunks = row_chunks(p, b);
         if (chunks > 1 && b % nth == tid) {
-            float *o = p->out + (p->q_rows ? p->q_rows[b] : b) * p->ldo;
-            for (int64_t h = 0; h < H; h++) {
-                float mx = -INFINITY, lsum = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float mc = p->partial[(item + c) * state + h];
-                    mx = mc > mx ? mc : mx;
-                }
-                float *oh = o + h * D;
-                for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *st = p->partial + (item + c) * state;
-                    const float w = expf(st[h] - mx);
-                    lsum += w * st[H + h];
-                    const float *ah = st + 2 * H + h * D;
-                    for (int64_t d = 0; d < D; d++) oh[d] += w * ah[d];
-                }
-                const float inv = 1.0f / lsum;
-                for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+            const float *st = p->partial + item * state;
+            memcpy(m, st, (size_t)H * sizeof(float));
+            memcpy(l, st + H, (size_t)H * sizeof(float));
+            memcpy(acc, st + 2 * H, (size_t)(H * D) * sizeof(float));
+            for (int64_t c = 1; c < chunks; c++) {
+                st = p->partial + (item + c) * state;
+                fold(H, D, m, l, acc, st, st + H, st + 2 * H);
             }
+            finish(l, acc, H, D, p->out + (p->q_rows ? p->q_rows[b] : b) * p->ldo);
         }
         item += chunks;
     }
@@ -488,10 +518,10 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int64_t C = chunk_size(&p, nth);
-        attend_items(&p, C, NULL, NULL, tid, nth);
+        const int split = split_items(&p, nth);
+        attend_items(&p, split, NULL, NULL, tid, nth);
 #pragma omp barrier
-        merge_items(&p, C, tid, nth);
+        merge_items(&p, split, tid, nth);
     }
     return 0;
 }
@@ -577,11 +607,11 @@ void ek_attention_node(const void *a_, const ek_step_t *s, int tid, int nth) {
     attn_node_args *a = (attn_node_args *)a_;
     prob_t p = step_problem(a, s);
     p.k_new = p.v_new = NULL; /* stored by the node before */
-    attend_items(&p, chunk_size(&p, nth), &a->next, s, tid, nth);
+    attend_items(&p, split_items(&p, nth), &a->next, s, tid, nth);
 }
 
 /* ... then (the next node, after the barrier) the split requests merged */
 void ek_attention_merge_node(const void *a_, const ek_step_t *s, int tid, int nth) {
     const prob_t p = step_problem(a_, s);
-    merge_items(&p, chunk_size(&p, nth), tid, nth);
+    merge_items(&p, split_items(&p, nth), tid, nth);
 }

@@ -132,3 +132,45 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [0, 2])  # float32, float16 pools
+def test_a_rows_result_does_not_depend_on_the_other_rows(threads, dtype):
+    """Batch invariance: a request's row gives the same bits alone (its keys split over the
+    threads), beside a few others (still split) and in a batch too big to split (one thread
+    attends it whole, folding the same chunks in the same order): a token verified among
+    drafts, or decoded beside other requests, gets what it gets decoded alone."""
+    H, KVH, D = 9, 3, 64
+    gen = torch.Generator().manual_seed(7 + threads)
+    lens = [300, 129, 700, 17, 64, 1000, 5, 250, 33, 480, 2, 900]
+    total = sum(lens) + 1
+    k_pool = torch.randn(total, KVH, D, generator=gen)
+    v_pool = torch.randn(total, KVH, D, generator=gen)
+    if dtype == 2:
+        k_pool, v_pool = k_pool.half(), v_pool.half()
+    table = torch.zeros(len(lens), 1024, dtype=torch.int32)
+    slots = 1 + torch.randperm(sum(lens), generator=gen).to(torch.int32)
+    start = 0
+    for r, n in enumerate(lens):
+        table[r, :n] = slots[start: start + n]
+        start += n
+    q_all = torch.randn(len(lens), H, D, generator=gen)
+
+    def attend(reqs):
+        rows = torch.tensor(reqs)
+        q = q_all[rows].contiguous()
+        out = torch.empty_like(q)
+        seq_lens = torch.tensor([lens[r] for r in reqs])
+        qi = torch.arange(len(reqs))
+        assert kernel.load().decode_attention(
+            q.data_ptr(), out.data_ptr(), qi.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+            dtype, table.data_ptr(), table.stride(0), rows.data_ptr(), seq_lens.data_ptr(),
+            len(reqs), H, KVH, D, 0, 0.125, 1.0, 1.0, threads) == 0
+        return {r: out[i] for i, r in enumerate(reqs)}
+
+    everyone = attend(list(range(len(lens))))  # 12 rows: no split below 4 per thread
+    for r in range(len(lens)):
+        alone = attend([r])[r]
+        assert torch.equal(alone, everyone[r]), (r, lens[r])
+    assert all(torch.equal(v, everyone[r]) for r, v in attend([5, 0, 3]).items())

@@ -39,8 +39,11 @@ def kernel_reason(device) -> str | None:
 
 class W8A8Int8Method(QuantMethod):
     # Q8_0 blocks are int8 weights; with activations quantized to int8 per block of 32 they are
-    # W8A8 as llama.cpp computes it (see QuantMethod.gguf_blocks; the engine decides where)
-    gguf_blocks = ("q8_0",)
+    # W8A8 as llama.cpp computes it. Q4_0 / Q4_1 blocks hold fewer bits than int8: they run as
+    # they are with the same int8 activations (llama.cpp's Q8_0 / Q8_1 arithmetic), since
+    # requantizing them per channel would only add rounding (see QuantMethod.gguf_blocks; the
+    # engine decides where)
+    gguf_blocks = ("q8_0", "q4_0", "q4_1")
     block_activations = "int8"
 
     def __init__(self):

@@ -1,9 +1,10 @@
-"""w8a8_int8 on a GGUF of Q8_0 blocks (QuantMethod.gguf_blocks / block_activations): the blocks
-run as they are through engine-cpu-kernels' int8-activation kernel (avx512_q8_0 with
-AVX512_VNNI, else avx2_q8_0: llama.cpp's arithmetic), exactly as ``ENGINE_LINEAR_KERNEL=<that
-kernel>`` runs them without --quantization; anywhere else (other block formats, --dtype
-float16, ENGINE_LINEAR_KERNEL=torch) the method converts the model as before; without
---quantization the weight-only kernels stay the default."""
+"""w8a8_int8 on a GGUF of Q8_0, Q4_0 or Q4_1 blocks (QuantMethod.gguf_blocks /
+block_activations): the blocks run as they are through engine-cpu-kernels' int8-activation
+kernels (avx512_q8_0 / avx512_q4_1 ... with AVX512_VNNI, else the avx2_ ones: llama.cpp's
+arithmetic), exactly as ``ENGINE_LINEAR_KERNEL=<that kernel>`` runs them without
+--quantization; anywhere else (other block formats, --dtype float16,
+ENGINE_LINEAR_KERNEL=torch) the method converts the model as before; without --quantization
+the weight-only kernels stay the default."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 BEST = "avx512" if FEATURES & K.FEAT_AVX512_VNNI else "avx2"
 NOTE = ("quantization: w8a8_int8 ({origin}), --quantization; on the GGUF's "
-        "q8_0 blocks as they are: int8 activations per block of 32 (llama.cpp's arithmetic)")
+        "{fmt} blocks as they are: int8 activations per block of 32 (llama.cpp's arithmetic)")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 88], list(range(40, 100))]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
@@ -53,29 +54,32 @@ def outputs(eng: Engine) -> tuple[list[list[int]], torch.Tensor]:
     return [o["output_ids"] for o in out], prefill_logits(eng.runner, PROMPTS, True)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_0"])
 @pytest.mark.parametrize("isa", [None, "avx2"])
-def test_w8a8_int8_on_q8_0_blocks_runs_them_through_the_int8_kernel(
-        isa, tiny_gguf_factory, registries, monkeypatch, caplog):
-    """As ENGINE_LINEAR_KERNEL=<the int8 Q8_0 kernel> without --quantization, token for token
-    and logit for logit; no Int8Linear; the start line says how it runs."""
+def test_w8a8_int8_on_gguf_blocks_runs_them_through_the_int8_kernel(
+        isa, qtype, tiny_gguf_factory, registries, monkeypatch, caplog):
+    """As ENGINE_LINEAR_KERNEL=<the int8 kernel of those blocks> without --quantization, token
+    for token and logit for logit; no Int8Linear; the start line says how it runs. Q4 blocks
+    stay 4-bit (requantizing them per channel would only add rounding)."""
     if isa is not None:
         monkeypatch.setenv(K.ISA_ENV, isa)
-    kernel = f"{isa or BEST}_q8_0"
-    path = tiny_gguf_factory("llama", "Q8_0")
+    fmt = qtype.lower()
+    kernel = f"{isa or BEST}_{fmt}"
+    path = tiny_gguf_factory("llama", qtype)
     caplog.set_level(logging.INFO, logger="engine")
     w8a8 = engine(path, quantization="w8a8_int8")
     runner = w8a8.runner
     assert runner.linear_kernel.startswith("linear layers: ")
-    assert f"q8_0 GGUF blocks, {kernel} kernel (engine-cpu-kernels" in runner.linear_kernel
+    assert f"{fmt} GGUF blocks, {kernel} kernel (engine-cpu-kernels" in runner.linear_kernel
     assert "dequantized" not in runner.linear_kernel
     assert int8_linears(runner) == 0
     origin = registries.quantization.get("w8a8_int8").origin
-    assert NOTE.format(origin=origin) in caplog.messages
+    assert NOTE.format(origin=origin, fmt=fmt) in caplog.messages
     got = outputs(w8a8)
 
     monkeypatch.setenv(LINEAR_KERNEL_ENV, kernel)
     forced = engine(path)
-    assert f"q8_0 GGUF blocks, {kernel} kernel" in forced.runner.linear_kernel
+    assert f"{fmt} GGUF blocks, {kernel} kernel" in forced.runner.linear_kernel
     assert forced.runner.quant_note is None
     ref = outputs(forced)
     assert got[0] == ref[0]
@@ -83,7 +87,7 @@ def test_w8a8_int8_on_q8_0_blocks_runs_them_through_the_int8_kernel(
 
 
 @pytest.mark.parametrize("qtype,dtype,env", [
-    ("Q4_1", "float32", None),          # its blocks are q4_1: not W8A8's arithmetic
+    ("Q5_0", "float32", None),          # q5_0 blocks: no int8-activation kernel runs them
     ("Q8_0", "float16", None),          # float16 weights: no block kernels
     ("Q8_0", "float32", "torch"),       # ENGINE_LINEAR_KERNEL=torch: the blocks never run
 ])
@@ -110,8 +114,9 @@ def test_why_w8a8_int8_does_not_run_as_blocks(tiny_gguf_factory, tiny_model_fact
     def why(ckpt, dtype=torch.float32, half=False, parallel=False, m=method):
         return quant_block_reason(m, ckpt, cpu, dtype, half, parallel, registries)
 
-    assert why(q8_0) is None
-    assert why(q4_1).startswith("the GGUF holds q4_1")
+    assert why(q8_0) is None and why(q4_1) is None
+    only_q8 = type("OnlyQ8", (W8A8Int8Method,), {"gguf_blocks": ("q8_0",)})()
+    assert why(q4_1, m=only_q8).startswith("the GGUF holds q4_1")
     assert why(hf) == "not a GGUF"
     assert why(q8_0, parallel=True) == "tensor parallelism cuts the weights"
     assert why(q8_0, half=True).startswith("--dtype asks for float16")
