@@ -8,7 +8,9 @@ a GGUF's Q4_1/Q8_0 blocks as they are (weight-only kernels: the default; and the
 int8-activation kernel, llama.cpp's arithmetic), ``--dtype float16`` (float16 linear weights,
 float32 arithmetic, on a CPU), ``--dtype bfloat16``, and
 ``--quantization w8a8_int8`` per int8 kernel, alone and with ``--dtype float16`` (its LM head in
-float16; needs the engine-quant-int8 plugin).
+float16; needs the engine-quant-int8 plugin); on a GGUF of Q8_0/Q4_0/Q4_1 blocks w8a8_int8 runs
+the blocks with int8 activations whatever ENGINE_INT8_KERNEL says, one row "w8a8_int8 (GGUF
+blocks)".
 
     python benchmarks/weight_quality.py [--model default|PATH] [--kernels fbgemm,int_mm]
 """
@@ -82,9 +84,19 @@ def main():
           f"{'greedy tokens equal (per prompt)':>34s}")
     print(f"{'float32':30s} {ref_ppl:10.3f} {0:8.3f} {1:11.3f}")
     rows = {}
+    seen_blocks = False
     for label, kwargs, env in variants(args.kernels.split(",")):
         os.environ.update(env)
         eng = Engine(path, max_total_tokens=4096, **kwargs)
+        note = getattr(eng.runner, "quant_note", None)
+        if note and "blocks as they are" in note:  # the GGUF's blocks with int8 activations:
+            if seen_blocks:  # ENGINE_INT8_KERNEL does not apply, one row says it
+                del eng
+                for key in env:
+                    os.environ.pop(key, None)
+                continue
+            seen_blocks = True
+            label = "w8a8_int8 (GGUF blocks)" + label[len("w8a8_int8"):].split(")", 1)[-1]
         logits, ppl = evaluate(eng, ids)
         agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
         prefix = [common_prefix(a, b) for a, b in zip(greedy(eng), ref_greedy)]

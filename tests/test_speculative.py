@@ -14,7 +14,7 @@ from engine.errors import EngineError
 from engine.interfaces import Draft, Drafter
 from engine.registry import UnknownName
 from engine.server.process import ServerProcess
-from engine.speculative.policy import DraftPolicy
+from engine.speculative.policy import PROBE_EVERY, DraftPolicy
 from engine_testing.generation import run_requests as run
 from engine_testing.generation import verify_every_draft as draft_everything
 from engine_testing.invariants import assert_all_free
@@ -407,6 +407,15 @@ def test_the_policy_drafts_where_it_pays_and_probes_where_it_did_not():
     assert take[0] >= 4 and take[1] == 0
     probes = [p.lengths(reqs, [good, bad])[1] for _ in range(40)]
     assert 1 <= sum(probes) <= 3  # now and then one draft, to learn again
+    # where nothing else drafts, one probe per PROBE_EVERY steps for the whole batch (a probe
+    # then turns a plain step into a verify step), the longest idle first
+    many = [_R(f"bad{i}") for i in range(8)]
+    for _ in range(20):
+        p.observe(many, [bad] * 8, [3] * 8, [0] * 8, 32, 0.05)
+    steps = [p.lengths(many, [bad] * 8) for _ in range(4 * PROBE_EVERY)]
+    probed = [sum(t) for t in steps]
+    assert set(probed) <= {0, 1} and 3 <= sum(probed) <= 5
+    assert len({i for t in steps for i, k in enumerate(t) if k}) == sum(probed)
     cheap = DraftPolicy(max_drafts=7)  # extra tokens nearly free (a GPU): more drafts pay
     for m in (1, 2, 4, 8):
         for _ in range(10):
