@@ -71,6 +71,30 @@ def test_outputs_identical_with_tiers_on_and_off(model, reference, policy, stora
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("policy,storage", [("write_through", False),
+                                            ("write_through_selective", False),
+                                            ("write_back", False), ("write_through", True)])
+def test_the_overlap_scheduler_backs_up_only_what_its_worker_wrote(model, reference, policy,
+                                                                 storage, tmp_path):
+    """--enable-overlap-schedule: a prefix enters the tree when its batch is submitted and the
+    worker writes its K/V later, so its host copy waits for that batch (deferred backups); the
+    outputs are those without tiers, one request at a time and all of them at once."""
+    ps, ref = reference
+    engine = hicache(model, tmp_path if storage else None, hicache_write_policy=policy,
+                     hicache_ratio=3, enable_overlap_schedule=True)
+    order = [i for i in range(len(ps)) for _ in range(2)] + list(range(len(ps)))
+    outs, cached = run(engine, [ps[i] for i in order])
+    assert outs == [ref[i] for i in order]
+    assert engine.scheduler.kv.stats.hits["host"] > 0 and sum(cached[-len(ps):]) > 0
+    reqs = [r for p in ps for r in engine.add_request(p, GREEDY)]  # a batch, in flight
+    run_checked(engine, reqs)
+    assert [r.output_ids for r in reqs] == ref
+    tree = engine.scheduler.kv.cache
+    assert tree.submitted > 0 and tree.written == tree.submitted and not tree._deferred
+    engine.close()
+    assert_all_free(engine)
+
+
 def test_page_size_4_and_a_batch_at_once(model, tmp_path):
     ps = prompts(8, 90, seed=1)
     ref = [o["output_ids"] for o in Engine(model, max_total_tokens=400, page_size=4).generate(

@@ -58,10 +58,6 @@ def check_hicache(config, need) -> None:
     need(config.tp_size * config.pp_size == 1,
          "--enable-hierarchical-cache with --tp-size or --pp-size > 1 is not supported yet (the "
          "host tier copies rank 0's pool only); drop one of them.")
-    need(not config.enable_overlap_schedule,
-         "--enable-hierarchical-cache with --enable-overlap-schedule is not supported yet (the "
-         "overlap worker writes a prefix's K/V after it is inserted, so a write-through copy "
-         "would read it too early); drop one of them.")
 
 
 def host_pool_tokens(config, device_tokens: int, bytes_per_token: int, page_size: int) -> int:

@@ -17,6 +17,13 @@
   request on that prefix waits), a backup marks its node ``writing`` (its host copy arrives
   later: it is not evicted from the host tier, loaded back, or written to storage before).
   ``poll()``, once per step, finishes the copies that completed, in the order they started.
+- Deferred backups (the overlap scheduler, ``defer_until_written``): a node is inserted when its
+  batch is *submitted*, and the worker thread writes its K/V later, so its write-through copy
+  cannot snapshot the slots at once. It is marked ``writing`` with a ``Deferred`` (its host
+  slots allocated, counted) and copied once the scheduler says the batch that writes it is done
+  (``written_up_to``); until then it is not evicted from either tier. What needs the slots now
+  (a device eviction, a host -> device load into freed slots, a flush) first waits for the
+  batch in flight (``fence``) and copies every deferred node that batch wrote.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ from engine.memory.radix_cache import Node, RadixCache, _tick
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
 
+class Deferred:
+    """A backup waiting for the batch that writes its slots (``need``: that batch's number)."""
+
+    def __init__(self, node: Node, need: int):
+        self.node, self.need = node, need
+
+
 class HiRadixCache(RadixCache):
     def __init__(self, pool, host, write_policy: str, stats, storage=None, copier=None):
         self.pool, self.host, self.stats, self.storage = pool, host, stats, storage
@@ -40,11 +54,17 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.threshold = THRESHOLD[write_policy]
         self._pinned: set[int] = set()  # ids of host-only nodes being loaded back
+        # the overlap scheduler's: batches submitted (their K/V written later), batches done,
+        # and a wait for the batch in flight returning the number of the last one done
+        self.submitted = self.written = 0
+        self.fence = None
+        self._deferred: deque[Deferred] = deque()
         super().__init__(pool.free_slots_of, pool.page_size)
 
     def reset_tree(self) -> None:
         super().reset_tree()
         self.host_size = 0  # host slots held by the tree
+        self._deferred = deque()  # (their nodes left with the old tree)
 
     # -- lookup ----------------------------------------------------------------------------
     def match_tiers(self, key) -> tuple[torch.Tensor, Node, list[Node], bool]:
@@ -152,9 +172,18 @@ class HiRadixCache(RadixCache):
             slots = self.host.alloc(n)
             if slots is None:
                 return False
-        copy = self.copier.backup(self.host, self.pool, node.value, slots)
-        node.host_value, node.writing = slots, copy
         self.host_size += n
+        if self.submitted > self.written:  # the batch that writes its K/V may still run
+            node.host_value, node.writing = slots, Deferred(node, self.submitted)
+            self._deferred.append(node.writing)
+            return True
+        node.host_value = slots
+        self._start_backup(node, node.value, slots)
+        return True
+
+    def _start_backup(self, node: Node, value: torch.Tensor, slots: torch.Tensor) -> None:
+        copy = self.copier.backup(self.host, self.pool, value, slots)
+        node.writing = copy
 
         def written():
             self.stats.moved("device->host", copy.nbytes)
@@ -164,7 +193,33 @@ class HiRadixCache(RadixCache):
                     self.storage.write_node(self, done)
 
         self._copies.append((copy, written))
-        return True
+
+    # -- deferred backups (the overlap scheduler) ---------------------------------------------
+    def batch_submitted(self) -> int:
+        """A batch is being submitted (its K/V are written later): its number."""
+        self.submitted += 1
+        return self.submitted
+
+    def written_up_to(self, batch: int) -> None:
+        """Batches up to ``batch`` wrote their K/V: copy the backups waiting for them."""
+        self.written = max(self.written, batch)
+        while self._deferred and self._deferred[0].need <= self.written:
+            d = self._deferred.popleft()
+            nodes = self._marked(d.node, "writing", d)  # (split since: the top parts too)
+            if not nodes or d.node.parent is None:  # dropped meanwhile: nothing to copy
+                continue
+            value = torch.cat([n.value for n in nodes]) if len(nodes) > 1 else nodes[0].value
+            host = torch.cat([n.host_value for n in nodes]) if len(nodes) > 1 else \
+                nodes[0].host_value
+            self._start_backup(nodes[-1], value, host)  # one copy, every part marked with it
+            for n in nodes[:-1]:
+                n.writing = nodes[-1].writing
+
+    def settle(self) -> None:
+        """Wait for the batch in flight (``fence``) and copy every backup it wrote: before
+        slots are freed or overwritten outside a forward."""
+        if self.fence is not None and self.submitted > self.written:
+            self.written_up_to(self.fence())
 
     # -- load back ---------------------------------------------------------------------------
     def pin(self, nodes: list[Node]) -> None:
@@ -177,6 +232,7 @@ class HiRadixCache(RadixCache):
         """Host-only ``nodes`` (a path, in order) get device copies at ``slots``: counted and
         marked ``loading`` now, their data copied beside the step (the Copy, returned)."""
         assert all(n.writing is None for n in nodes), "loading a host copy still being written"
+        self.settle()  # the slots may have been freed by a request still in flight (an abort)
         host = torch.cat([n.host_value for n in nodes])
         copy = self.copier.load(self.host, self.pool, host, slots)
         done = 0
@@ -227,6 +283,7 @@ class HiRadixCache(RadixCache):
 
     def drain(self) -> None:
         """Wait for and finish every copy (flush, shutdown)."""
+        self.settle()
         while self._copies:
             self._copies[0][0].wait()
             self._finish_first()
@@ -279,6 +336,7 @@ class HiRadixCache(RadixCache):
         """Free at least ``num_tokens`` device slots, least recently used device leaves first;
         a node keeps its host copy (write_back makes one now, unless told not to: a flush)
         and stays in the tree."""
+        self.settle()  # deferred backups copy their slots before any is freed
         heap = [(n.last_access, id(n), n) for n in self._nodes()
                 if n.lock_ref == 0 and self._device_leaf(n)]
         heapq.heapify(heap)
@@ -287,6 +345,8 @@ class HiRadixCache(RadixCache):
             _, _, node = heapq.heappop(heap)
             if node.parent is None or node.value is None or not self._device_leaf(node):
                 continue  # dropped or changed since it was pushed
+            if isinstance(node.writing, Deferred):  # its batch is still being submitted
+                continue
             if node.host_value is None and self.write_policy == "write_back" and write_back:
                 self.backup(node)
             self.free_slots(node.value)

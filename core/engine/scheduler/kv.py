@@ -251,7 +251,9 @@ class KVManager:
         if not getattr(copier, "waits_for_loads", False) or copier.delay_steps:
             return False
         self.cache.drain()
-        return self.loads[req.rid].node.loading is None
+        pending = self.loads.get(req.rid)
+        # None: its host copy was still being written, nothing started: it waits a step
+        return pending is not None and pending.node.loading is None
 
     def poll(self) -> None:
         """Once per step: finish the copies that completed; unlock loads nobody waits for."""

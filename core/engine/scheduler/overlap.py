@@ -15,6 +15,12 @@ Outputs are those of the synchronous scheduler, because:
 - a request in flight is never retracted: when the pool is short for the decodes, the
   in-flight batch is drained and a synchronous step runs (it retracts as usual).
 A request whose pending token is its last (max_new_tokens) gets no extra row.
+
+With HiCache (engine/hicache/tree.py) a prefix is inserted into the radix tree when its batch
+is submitted, before the worker writes its K/V: the tree numbers the batches
+(``batch_submitted``), copies a node to the host tier only once the scheduler has seen its
+batch done (``written_up_to``), and, where it needs slots at once (a device eviction, a load
+back into freed slots), waits for the batch in flight through ``fence``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Job:
     top_logprobs: list | None = None
     error: BaseException | None = None
     ready: "torch.cuda.Event | None" = None  # on a GPU: the batch's inputs are on the device
+    seq: int = 0  # HiCache: the batch's number in the tree (its K/V written when it is done)
 
     @property
     def sampled(self) -> set[Req]:
@@ -75,6 +82,10 @@ class OverlapSchedule:
         # waits for each batch's inputs through an event recorded after they were issued
         device = scheduler.kv.pool.req_to_token.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cache = scheduler.kv.cache
+        self.tree = cache if hasattr(cache, "batch_submitted") else None  # HiCache
+        if self.tree is not None:
+            self.tree.fence = self._fence
         self._thread = threading.Thread(target=self._work, name="overlap-worker", daemon=True)
         self._thread.start()
 
@@ -88,6 +99,7 @@ class OverlapSchedule:
     # -- the scheduler thread --------------------------------------------------------------------
     def step(self) -> list[Req]:
         s, prev = self.s, self.inflight
+        s.kv.poll()  # HiCache: copies that landed since the last step
         pending = prev.sampled if prev is not None else set()
         # (a request only scoring its prompt whose prompt ran in flight has nothing to decode)
         decodes = [r for r in s.running if not r.prefilling
@@ -107,8 +119,9 @@ class OverlapSchedule:
             s.counters.prefill_oom_errors += bool(prev.chunks and is_out_of_memory(e))
             self._fail(e)
             raise
-        if job is None and prev is None:  # only compiling grammars: wait for one, don't spin
+        if job is None and prev is None:  # only compiling grammars or copies: wait, don't spin
             wait_for_compiles(s.waiting)
+            s.kv.idle()
         s.report(decodes, prefill, 0, touched, job is not None)
         return failed + touched
 
@@ -134,10 +147,11 @@ class OverlapSchedule:
                 ids.append(r.tokens(r.kv_len, r.kv_len + 1))
         batch = s.forward_batch(decodes, prefill.chunks, ids)
         all_logits = all_logits_needed(prefill.chunks)
+        seq = self.tree.batch_submitted() if self.tree is not None else 0
         s.kv.computed(decodes, prefill.chunks)  # the forward will have written them
         reqs = decodes + [r for r, _ in prefill.chunks]
         job = Job(reqs, batch, rows_to_sample(reqs, len(decodes)), placeholders, self.inflight,
-                  bool(prefill.chunks), all_logits, scored_done(reqs))
+                  bool(prefill.chunks), all_logits, scored_done(reqs), seq=seq)
         if self.stream is not None:
             job.ready = torch.cuda.Event()
             job.ready.record()  # on this thread's stream, after the inputs' copies
@@ -148,6 +162,8 @@ class OverlapSchedule:
         """Wait for ``job``'s tokens (the step's only wait) and commit those of the requests
         still running (one aborted meanwhile drops its token)."""
         job.done.wait()
+        if self.tree is not None:  # its K/V are written: the backups waiting for them go
+            self.tree.written_up_to(job.seq)
         try:
             if job.error is not None:
                 raise job.error
@@ -170,6 +186,15 @@ class OverlapSchedule:
         the prefix cache is emptied; waiting requests hold nothing and stay queued."""
         self._settle()
         self.s.fail_running(f"the model forward failed: {type(e).__name__}: {e}")
+
+    def _fence(self) -> int:
+        """HiCache: wait for the batch in flight (its forward); the number of the last batch
+        whose K/V are written."""
+        job = self.inflight
+        if job is None:
+            return self.tree.submitted
+        job.done.wait()
+        return job.seq
 
     def _settle(self) -> None:
         """After a failure (or to stop): let the submitted batch finish and drop it."""
