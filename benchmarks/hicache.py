@@ -33,6 +33,9 @@ SETTINGS = {
     "host": {"enable_hierarchical_cache": True},
     "host+file": {"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
                   "hicache_storage_prefetch_policy": "wait_complete"},
+    # the same with the overlap scheduler (--enable-overlap-schedule)
+    "off+overlap": {"enable_overlap_schedule": True},
+    "host+overlap": {"enable_hierarchical_cache": True, "enable_overlap_schedule": True},
 }
 
 
@@ -94,7 +97,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in (names if rep % 2 == 0 else names[::-1]):  # alternate A/B order
             flags = dict(SETTINGS[name])
-            if flags:
+            if flags.get("enable_hierarchical_cache"):
                 flags["hicache_ratio"] = args.hicache_ratio
             if "hicache_storage_backend" in flags:
                 if storage is not None:
