@@ -215,6 +215,95 @@ def test_int8_activations_verify_drafts_identically(qtype, tiny_gguf_factory):
         assert got == ref and engine.scheduler.spec.stats.accepted > 0
 
 
+class TreeOracle(Drafter):
+    """Trees around a reference output: at each level the right token and a wrong sibling
+    (listed first every ``wrong_first``-th level, so the right branch is sometimes the second),
+    the right path going on for ``depth`` levels and wrong at every ``wrong_every``-th."""
+
+    def __init__(self, reference: dict, depth=4, wrong_every=5, wrong_first=2):
+        self.reference, self.depth = reference, depth
+        self.wrong_every, self.wrong_first = wrong_every, wrong_first
+
+    def propose(self, reqs, max_tokens):
+        out = []
+        for r, k in zip(reqs, max_tokens):
+            ref = self.reference.get(tuple(r.prompt_ids), [])
+            n = len(r.output_ids)
+            tokens, parents, at = [], [], -1
+            for level, t in enumerate(ref[n: n + self.depth]):
+                right = t + (1 if (n + level) % self.wrong_every == 0 else 0)
+                pair = [right, right ^ 1]
+                if (n + level) % self.wrong_first == 0:
+                    pair.reverse()
+                for tok in pair:
+                    tokens.append(tok)
+                    parents.append(at)
+                at = len(tokens) - 1 if pair[1] == right else len(tokens) - 2
+            out.append(Draft(tokens[:k], 0, parents[:k]))
+        return out
+
+
+@pytest.mark.parametrize("mode", [{}, {"disable_cpu_graph": True},
+                                  {"attention_backend": "torch_native"}])
+def test_trees_of_drafts_verify_identically(model, tiny_gguf_factory, mode):
+    """Trees (Draft.parents): every node a row attending to its request and its own
+    ancestors; the accepted path's slots rearranged into the request's row. Greedy, seeded,
+    logprobs and stop ids: the tokens of decoding without drafts; the borrowed table rows all
+    given back; the slot invariant after every step."""
+    target = tiny_gguf_factory("llama", "Q8_0") if not mode else model
+    prompts = [ids(80 + i, 7 + 5 * i) for i in range(4)]
+    params = [{**GREEDY, "max_new_tokens": 24},
+              {"temperature": 0.8, "seed": 3, "max_new_tokens": 18, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 15, "logprobs": True, "top_logprobs": 2},
+              {**GREEDY, "max_new_tokens": 30}]
+    plain = Engine(target, max_total_tokens=4000, **mode)
+    ref = run(plain, prompts, params)
+    engine = spec_engine(target, TreeOracle({tuple(p): o for p, (o, _, _) in
+                                             zip(prompts, ref)}), **mode)
+    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+    assert got == ref
+    st = engine.scheduler.spec.stats
+    assert st.accepted > 10 and st.accept_length > 1.5
+    assert engine.runner.kv_pool.free_reqs == engine.runner.kv_pool.max_reqs
+    assert_all_free(engine)
+
+
+def test_ngram_trees_greedy_identical(model):
+    """--speculative-ngram-max-bfs-breadth 3: the n-gram drafter's tries (several earlier
+    occurrences, different continuations) verified at once; outputs unchanged."""
+    phrase, other = ids(99, 12), ids(98, 12)
+    prompts = [phrase + ids(1, 3) + phrase + ids(2, 3) + phrase + other + phrase + ids(i, 4)
+               for i in range(3)]
+    params = {**GREEDY, "max_new_tokens": 40}
+    plain = Engine(model, max_total_tokens=4000)
+    ref = run(plain, prompts, params)
+    engine = spec_engine(model, speculative_ngram_max_bfs_breadth=3)
+    engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
+    got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+    assert got == ref
+    drafter = engine.scheduler.spec.drafter
+    assert drafter.breadth == 3 and engine.scheduler.spec.stats.drafted > 0
+    assert_all_free(engine)
+
+
+def test_the_ngram_drafter_builds_tries_likeliest_first():
+    from engine_spec_ngram.drafter import NgramDrafter
+
+    d = NgramDrafter(1, 4, breadth=2)
+
+    class R:
+        rid, output_ids = "r", []
+        prompt_ids = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    [draft] = d.propose([R()], [6])
+    # after "1 2 3": 5 6 1 2 (the most recent occurrence) and 4 9 (the one before) branch at
+    # the root; likeliest first (0.6 ** depth x 0.4 per earlier sibling): 5, 6, 4, 1, 9, 2
+    assert draft.tokens == [5, 6, 4, 1, 9, 2]
+    assert draft.parents == [-1, 0, -1, 1, 2, 3]
+    assert draft.kind == 3 and draft.depths() == [1, 2, 1, 3, 2, 4]
+    assert draft.first(3) == Draft([5, 6, 4], 3, [-1, 0, -1])
+
+
 def test_a_grammar_constrained_request_is_identical(model):
     from engine.interfaces import Constraint
 
@@ -347,8 +436,8 @@ def test_flags_sglang_and_vllm_spellings_and_clashes(model):
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
         ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
           "speculative_ngram_max_match_window_size": 3}, "is above"),
-        ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
-         "chains of drafts"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10,
+          "page_size": 4}, "with --page-size 4"),
         ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True},
          "with --enable-overlap-schedule is not supported"),
         ({"speculative_algorithm": "NGRAM", "pp_size": 2}, "with --pp-size > 1"),

@@ -323,10 +323,30 @@ class Draft(NamedTuple):
     """A drafter's proposal for one request: ``tokens`` to follow its sequence, and a
     ``kind``: drafts of one kind share acceptance statistics (an n-gram drafter's kind is
     its match length: long matches are right more often), so the core learns which drafts
-    pay."""
+    pay.
+
+    A tree of drafts (``parents``): token ``j`` follows token ``parents[j]`` (-1: the
+    request's sequence itself), every parent listed before its children and the most likely
+    branches first, so that any first ``k`` tokens are a tree too (the core verifies the first
+    ``k`` its policy picks). None: a chain, each token following the one before."""
 
     tokens: list[int]
     kind: int = 0
+    parents: list[int] | None = None
+
+    def first(self, k: int) -> "Draft":
+        """The first ``k`` tokens (a tree's first ``k`` nodes are a tree)."""
+        return Draft(self.tokens[:k], self.kind,
+                     None if self.parents is None else self.parents[:k])
+
+    def depths(self) -> list[int]:
+        """Each token's depth (1: it follows the sequence itself)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ class DraftPolicy:
         n = len(reqs)
         take = [0] * n
         alphas = [self.acceptance(r.rid, d.kind) for r, d in zip(reqs, drafts)]
-        heap = [(-alphas[i], i) for i in range(n) if drafts[i].tokens]
+        worth = [_worth(d, a) for d, a in zip(drafts, alphas)]
+        heap = [(-worth[i][0], i) for i in range(n) if drafts[i].tokens]
         heapq.heapify(heap)
         expected, tokens = float(n), n
         rate = expected / self.cost(tokens, line)
@@ -95,7 +96,7 @@ class DraftPolicy:
             take[i] += 1
             expected, tokens, rate = expected - v, tokens + 1, new_rate
             if take[i] < len(drafts[i].tokens):
-                heapq.heappush(heap, (v * alphas[i], i))
+                heapq.heappush(heap, (-worth[i][take[i]], i))
         idle, due = self.idle, []
         for i, r in enumerate(reqs):  # requests left out for a while are due a probe
             if drafts[i].tokens and not take[i]:
@@ -135,3 +136,21 @@ class DraftPolicy:
     def forget(self, rid: str) -> None:
         self.alpha.pop(rid, None)
         self.idle.pop(rid, None)
+
+
+def _worth(draft, alpha: float) -> list[float]:
+    """Each draft token's expected tokens: alpha ** depth along a chain; in a tree a node is
+    also worth (1 - alpha) per earlier sibling on its path (an alternative counts only where
+    the likelier branch before it was wrong)."""
+    if draft.parents is None:
+        out, v = [], 1.0
+        for _ in draft.tokens:
+            v *= alpha
+            out.append(v)
+        return out
+    out, seen = [], {}
+    for p in draft.parents:
+        rank = seen.get(p, 0)
+        seen[p] = rank + 1
+        out.append((out[p] if p >= 0 else 1.0) * alpha * (1 - alpha) ** rank)
+    return out

@@ -12,13 +12,27 @@ accepted with the target's probability of it.)
 KV: a request's slots grow to cover its ``1 + k`` tokens; after round ``j`` its ``kv_len``
 is ``old + j + 1`` (the inputs up to the token sampled there); slots past it (rejected drafts)
 stay allocated to it and are overwritten by later steps, so nothing is freed here and the slot
-invariant holds."""
+invariant holds.
+
+Trees of drafts (``Draft.parents``: n-gram lookup with ``--speculative-ngram-max-bfs-breadth``
+> 1): each node must attend to the request's sequence and its own ancestors only. Every node
+becomes a one-token row of its own request-table row, borrowed for the step (a copy of the
+request's row up to its last token, then the slots of the node's ancestors and its own), so
+every attention backend and the CPU graph run it as a decode row of a request whose sequence
+is exactly the node's path. The request's own slots hold the nodes' K/V (its row grows by the
+tree's size); round ``j`` samples at the node the request has reached (the root: its last
+token), and a child carrying the sampled token is accepted: the request's row is rewritten so
+that its positions hold the accepted path's slots first (the others after it, still its own).
+Only with pages of one token (a page's slots must stay together)."""
 
 from __future__ import annotations
 
 import time
 
+import torch
+
 from engine.forward_batch import ForwardBatch
+from engine.interfaces import Draft
 from engine.speculative.policy import DraftPolicy
 
 
@@ -101,7 +115,11 @@ class SpecDecoder:
                 take[i] = 0
         if not any(take):
             return self._plain(s, decodes, grown, start)
-        accepted, tokens = self._verify(s, decodes, [d.tokens[:k] for d, k in zip(drafts, take)])
+        chosen = [d.first(k) for d, k in zip(drafts, take)]
+        if any(d.parents is not None for d in chosen):
+            accepted, tokens = self._verify_tree(s, decodes, chosen)
+        else:
+            accepted, tokens = self._verify(s, decodes, [d.tokens for d in chosen])
         st = self.stats
         st.request_steps += len(decodes)
         st.verify_steps += 1
@@ -153,3 +171,86 @@ class SpecDecoder:
         if self.wants_hidden:  # the positions kept: the last token's and the accepted drafts'
             self._hand_hidden(decodes, old, [len(x) for x in ids], [a + 1 for a in accepted])
         return accepted, at
+
+    def _verify_tree(self, s, decodes: list, drafts: list[Draft]) -> tuple[list[int], int]:
+        """``_verify`` for trees (the module's docstring): every node a one-token row of a
+        borrowed table row; returns each request's accepted drafts and the forward's rows."""
+        pool = s.kv.pool
+        table = pool.req_to_token
+        if pool.free_reqs < sum(len(d.tokens) for d in drafts):  # (rare) too few spare rows:
+            return self._verify(s, decodes, [_first_path(d).tokens for d in drafts])  # chains
+        ids, prefix, rows, borrowed = [], [], [], []
+        first_row, slots, children = [], [], []
+        old = [r.kv_len for r in decodes]
+        try:
+            for r, d, o in zip(decodes, drafts, old):
+                first_row.append(len(ids))
+                ids.append([(r.output_ids or r.prompt_ids)[-1]])
+                prefix.append(o)
+                rows.append(r.row)
+                n = len(d.tokens)
+                own = table[r.row, o + 1: o + 1 + n].clone()  # the nodes' slots, in node order
+                slots.append(own)
+                kids: dict[tuple[int, int], int] = {}
+                paths: list[list[int]] = []
+                parents = d.parents if d.parents is not None else list(range(-1, n - 1))
+                for j, (token, p) in enumerate(zip(d.tokens, parents)):
+                    kids.setdefault((p, token), j)
+                    path = (paths[p] if p >= 0 else []) + [j]
+                    paths.append(path)
+                    t = pool.alloc_req()
+                    borrowed.append(t)
+                    table[t, : o + 1] = table[r.row, : o + 1]
+                    table[t, o + 1: o + 1 + len(path)] = own[path]
+                    ids.append([token])
+                    prefix.append(o + len(path))
+                    rows.append(t)
+                children.append(kids)
+            batch = ForwardBatch.build(ids, prefix, rows, None, table, device=table.device)
+            logits = s.runner.forward(batch, return_all_logits=True)
+        finally:
+            for t in borrowed:
+                pool.free_req(t)
+        accepted = [0] * len(decodes)
+        at_node = [-1] * len(decodes)  # the node each request has reached (-1: its root)
+        path_of: list[list[int]] = [[] for _ in decodes]
+        active = list(range(len(decodes)))
+        j = 0
+        while active:
+            reqs = [decodes[i] for i in active]
+            for i in active:
+                s.kv.computed_to(decodes[i], old[i] + j + 1)
+            picked = [first_row[i] + 1 + at_node[i] if at_node[i] >= 0 else first_row[i]
+                      for i in active]
+            out = s._sample(logits[picked], reqs)
+            sampled = out.next_token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+            s.commit(reqs, sampled, logprobs, out.top_logprobs)
+            nxt = []
+            for i, token in zip(active, sampled):
+                child = children[i].get((at_node[i], token))
+                if child is None or decodes[i].finished:
+                    continue
+                accepted[i] += 1
+                at_node[i] = child
+                path_of[i].append(child)
+                # the request's positions after its root: the accepted path's slots first
+                own, path = slots[i], path_of[i]
+                rest = [m for m in range(len(own)) if m not in path]
+                r, o = decodes[i], old[i]
+                table[r.row, o + 1: o + 1 + len(own)] = own[path + rest]
+                nxt.append(i)
+            active, j = nxt, j + 1
+        return accepted, len(ids)
+
+
+def _first_path(d: Draft) -> Draft:
+    """A tree's first path (each node the first child of the one before), as a chain."""
+    if d.parents is None:
+        return d
+    tokens, at = [], -1
+    for j, (token, p) in enumerate(zip(d.tokens, d.parents)):
+        if p == at:
+            tokens.append(token)
+            at = j
+    return Draft(tokens, d.kind)
