@@ -94,6 +94,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--bfs-breadth", type=int, default=None,
+                    help="--speculative-ngram-max-bfs-breadth (trees of drafts) for NGRAM")
     ap.add_argument("options", nargs="*", help="engine options key=value (both engines)")
     args = ap.parse_args(argv)
 
@@ -103,7 +105,8 @@ def main(argv=None):
     model = args.model or default_model_path()
     opts = parse_options(args.options)
     base = Engine(model, **opts)
-    spec = Engine(model, **opts, speculative_algorithm="NGRAM")
+    tree = {"speculative_ngram_max_bfs_breadth": args.bfs_breadth} if args.bfs_breadth else {}
+    spec = Engine(model, **opts, speculative_algorithm="NGRAM", **tree)
     chat = base.tokenizer
 
     def prompt(text):
