@@ -40,14 +40,13 @@ class OracleDrafter(Drafter):
         self.reference, self.wrong_every = reference, wrong_every
 
     def propose(self, reqs, max_tokens):
-        out = []
-        for r, k in zip(reqs, max_tokens):
-            ref = self.reference.get(tuple(r.prompt_ids), [])
-            n = len(r.output_ids)
-            d = [t + (1 if (n + i) % self.wrong_every == 0 else 0)
-                 for i, t in enumerate(ref[n: n + k])]
-            out.append(Draft(d, 0))
-        return out
+        return [self.draft(self.reference.get(tuple(r.prompt_ids), []), len(r.output_ids), k)
+                for r, k in zip(reqs, max_tokens)]
+
+    def draft(self, ref: list[int], n: int, k: int) -> Draft:
+        """The draft after the first ``n`` tokens of the reference output ``ref``."""
+        return Draft([t + (1 if (n + i) % self.wrong_every == 0 else 0)
+                      for i, t in enumerate(ref[n: n + k])], 0)
 
 
 def spec_engine(model, drafter=None, **kw):
@@ -215,32 +214,27 @@ def test_int8_activations_verify_drafts_identically(qtype, tiny_gguf_factory):
         assert got == ref and engine.scheduler.spec.stats.accepted > 0
 
 
-class TreeOracle(Drafter):
+class TreeOracle(OracleDrafter):
     """Trees around a reference output: at each level the right token and a wrong sibling
     (listed first every ``wrong_first``-th level, so the right branch is sometimes the second),
     the right path going on for ``depth`` levels and wrong at every ``wrong_every``-th."""
 
     def __init__(self, reference: dict, depth=4, wrong_every=5, wrong_first=2):
-        self.reference, self.depth = reference, depth
-        self.wrong_every, self.wrong_first = wrong_every, wrong_first
+        super().__init__(reference, wrong_every)
+        self.depth, self.wrong_first = depth, wrong_first
 
-    def propose(self, reqs, max_tokens):
-        out = []
-        for r, k in zip(reqs, max_tokens):
-            ref = self.reference.get(tuple(r.prompt_ids), [])
-            n = len(r.output_ids)
-            tokens, parents, at = [], [], -1
-            for level, t in enumerate(ref[n: n + self.depth]):
-                right = t + (1 if (n + level) % self.wrong_every == 0 else 0)
-                pair = [right, right ^ 1]
-                if (n + level) % self.wrong_first == 0:
-                    pair.reverse()
-                for tok in pair:
-                    tokens.append(tok)
-                    parents.append(at)
-                at = len(tokens) - 1 if pair[1] == right else len(tokens) - 2
-            out.append(Draft(tokens[:k], 0, parents[:k]))
-        return out
+    def draft(self, ref: list[int], n: int, k: int) -> Draft:
+        tokens, parents, at = [], [], -1
+        for level, t in enumerate(ref[n: n + self.depth]):
+            right = t + (1 if (n + level) % self.wrong_every == 0 else 0)
+            pair = [right, right ^ 1]
+            if (n + level) % self.wrong_first == 0:
+                pair.reverse()
+            for tok in pair:
+                tokens.append(tok)
+                parents.append(at)
+            at = len(tokens) - 1 if pair[1] == right else len(tokens) - 2
+        return Draft(tokens[:k], 0, parents[:k])
 
 
 @pytest.mark.parametrize("mode", [{}, {"disable_cpu_graph": True},

@@ -154,13 +154,8 @@ class SpecDecoder:
         active = list(range(len(decodes)))
         j = 0
         while active:
-            rows = [decodes[i] for i in active]
-            for i in active:
-                s.kv.computed_to(decodes[i], old[i] + j + 1)
-            out = s._sample(logits[[offsets[i] + j for i in active]], rows)
-            sampled = out.next_token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-            s.commit(rows, sampled, logprobs, out.top_logprobs)
+            sampled = _round(s, decodes, old, active, j, logits,
+                             [offsets[i] + j for i in active])
             nxt = []
             for i, token in zip(active, sampled):
                 d = drafts[i]
@@ -217,15 +212,9 @@ class SpecDecoder:
         active = list(range(len(decodes)))
         j = 0
         while active:
-            reqs = [decodes[i] for i in active]
-            for i in active:
-                s.kv.computed_to(decodes[i], old[i] + j + 1)
-            picked = [first_row[i] + 1 + at_node[i] if at_node[i] >= 0 else first_row[i]
-                      for i in active]
-            out = s._sample(logits[picked], reqs)
-            sampled = out.next_token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-            s.commit(reqs, sampled, logprobs, out.top_logprobs)
+            sampled = _round(s, decodes, old, active, j, logits,
+                             [first_row[i] + 1 + at_node[i] if at_node[i] >= 0 else first_row[i]
+                              for i in active])
             nxt = []
             for i, token in zip(active, sampled):
                 child = children[i].get((at_node[i], token))
@@ -254,3 +243,18 @@ def _first_path(d: Draft) -> Draft:
             tokens.append(token)
             at = j
     return Draft(tokens, d.kind)
+
+
+def _round(s, decodes: list, old: list[int], active: list[int], j: int, logits,
+           picked: list[int]) -> list[int]:
+    """Round ``j`` of a verify step: each active request's K/V counts up to its position
+    ``old + j`` (its inputs so far), its token is sampled from row ``picked`` of ``logits``
+    and committed (stop checks, grammar, logprobs); returns the tokens."""
+    reqs = [decodes[i] for i in active]
+    for i in active:
+        s.kv.computed_to(decodes[i], old[i] + j + 1)
+    out = s._sample(logits[picked], reqs)
+    sampled = out.next_token_ids.tolist()
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+    s.commit(reqs, sampled, logprobs, out.top_logprobs)
+    return sampled
