@@ -238,12 +238,13 @@ class TreeOracle(OracleDrafter):
 
 
 @pytest.mark.parametrize("mode", [{}, {"disable_cpu_graph": True},
-                                  {"attention_backend": "torch_native"}])
+                                  {"attention_backend": "torch_native"}, {"tp_size": 2}])
 def test_trees_of_drafts_verify_identically(model, tiny_gguf_factory, mode):
     """Trees (Draft.parents): every node a row attending to its request and its own
-    ancestors; the accepted path's slots rearranged into the request's row. Greedy, seeded,
-    logprobs and stop ids: the tokens of decoding without drafts; the borrowed table rows all
-    given back; the slot invariant after every step."""
+    ancestors; the accepted path's slots rearranged into the request's row (on every rank of
+    --tp-size 2 too: the table journal mirrors it). Greedy, seeded, logprobs and stop ids: the
+    tokens of decoding without drafts; the borrowed table rows all given back; the slot
+    invariant after every step."""
     target = tiny_gguf_factory("llama", "Q8_0") if not mode else model
     prompts = [ids(80 + i, 7 + 5 * i) for i in range(4)]
     params = [{**GREEDY, "max_new_tokens": 24},
@@ -252,6 +253,7 @@ def test_trees_of_drafts_verify_identically(model, tiny_gguf_factory, mode):
               {**GREEDY, "max_new_tokens": 30}]
     plain = Engine(target, max_total_tokens=4000, **mode)
     ref = run(plain, prompts, params)
+    plain.close()
     engine = spec_engine(target, TreeOracle({tuple(p): o for p, (o, _, _) in
                                              zip(prompts, ref)}), **mode)
     engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
@@ -261,6 +263,7 @@ def test_trees_of_drafts_verify_identically(model, tiny_gguf_factory, mode):
     assert st.accepted > 10 and st.accept_length > 1.5
     assert engine.runner.kv_pool.free_reqs == engine.runner.kv_pool.max_reqs
     assert_all_free(engine)
+    engine.close()
 
 
 def test_ngram_trees_greedy_identical(model):

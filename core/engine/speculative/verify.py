@@ -171,9 +171,11 @@ class SpecDecoder:
         """``_verify`` for trees (the module's docstring): every node a one-token row of a
         borrowed table row; returns each request's accepted drafts and the forward's rows."""
         pool = s.kv.pool
-        table = pool.req_to_token
-        if pool.free_reqs < sum(len(d.tokens) for d in drafts):  # (rare) too few spare rows:
-            return self._verify(s, decodes, [_first_path(d).tokens for d in drafts])  # chains
+        table, host = pool.req_to_token, pool.host_table  # (host: the table's CPU mirror)
+        if self.wants_hidden or pool.free_reqs < sum(len(d.tokens) for d in drafts):
+            # (rare) too few spare rows, or a drafter reading hidden states: each tree's
+            # first path, a chain
+            return self._verify(s, decodes, [_first_path(d).tokens for d in drafts])
         ids, prefix, rows, borrowed = [], [], [], []
         first_row, slots, children = [], [], []
         old = [r.kv_len for r in decodes]
@@ -184,7 +186,8 @@ class SpecDecoder:
                 prefix.append(o)
                 rows.append(r.row)
                 n = len(d.tokens)
-                own = table[r.row, o + 1: o + 1 + n].clone()  # the nodes' slots, in node order
+                own = host[r.row, o + 1: o + 1 + n].clone()  # the nodes' slots, in node order
+                head = host[r.row, : o + 1]
                 slots.append(own)
                 kids: dict[tuple[int, int], int] = {}
                 paths: list[list[int]] = []
@@ -195,8 +198,7 @@ class SpecDecoder:
                     paths.append(path)
                     t = pool.alloc_req()
                     borrowed.append(t)
-                    table[t, : o + 1] = table[r.row, : o + 1]
-                    table[t, o + 1: o + 1 + len(path)] = own[path]
+                    pool.write_row(t, 0, torch.cat([head, own[path]]))  # (ranks mirror it)
                     ids.append([token])
                     prefix.append(o + len(path))
                     rows.append(t)
@@ -227,7 +229,7 @@ class SpecDecoder:
                 own, path = slots[i], path_of[i]
                 rest = [m for m in range(len(own)) if m not in path]
                 r, o = decodes[i], old[i]
-                table[r.row, o + 1: o + 1 + len(own)] = own[path + rest]
+                pool.write_row(r.row, o + 1, own[path + rest])
                 nxt.append(i)
             active, j = nxt, j + 1
         return accepted, len(ids)
