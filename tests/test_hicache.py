@@ -95,6 +95,26 @@ def test_the_overlap_scheduler_backs_up_only_what_its_worker_wrote(model, refere
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("policy,ranks", [("write_through", {"tp_size": 2}),
+                                          ("write_back", {"tp_size": 2}),
+                                          ("write_through", {"pp_size": 2})])
+def test_every_rank_keeps_its_own_host_tier(model, reference, policy, ranks):
+    """--tp-size / --pp-size 2: each rank's pool holds a shard of the K/V, so each keeps its
+    own host tier; rank 0's copies go to the others with the next batch and are made there
+    before its forward. Prefixes evicted to the host and loaded back give the outputs without
+    tiers; the storage tier is refused with ranks."""
+    ps, ref = reference
+    engine = hicache(model, hicache_write_policy=policy, hicache_ratio=3, **ranks)
+    order = [i for i in range(len(ps)) for _ in range(2)] + list(range(len(ps)))
+    outs, cached = run(engine, [ps[i] for i in order])
+    assert outs == [ref[i] for i in order]
+    stats = engine.scheduler.kv.stats
+    assert stats.hits["host"] > 0 and stats.bytes["host->device"] > 0
+    engine.close()
+    with pytest.raises(ConfigError, match="--hicache-storage-backend with --tp-size"):
+        Engine(model, enable_hierarchical_cache=True, hicache_storage_backend="file", **ranks)
+
+
 def test_page_size_4_and_a_batch_at_once(model, tmp_path):
     ps = prompts(8, 90, seed=1)
     ref = [o["output_ids"] for o in Engine(model, max_total_tokens=400, page_size=4).generate(

@@ -17,6 +17,12 @@ not waited for), so their device slots may be freed and reused at once. Host -> 
 write into slots the request alone holds until its copy is done.
 
 ``delay_steps`` (tests): a copy counts as done only ``delay_steps`` polls after it started.
+
+With ``--tp-size``/``--pp-size`` every rank holds its own shard of the pool and its own host
+tier of the same slots: rank 0's copies are journaled in its pool's ``copy_journal`` and sent
+with the next batch, and each rank makes them in its own tiers before that forward
+(``replay_copies``), in order. A backup's slots hold the K/V of forwards already run, and only
+a forward writes the pool, so making it just before the next one copies the same data.
 """
 
 from __future__ import annotations
@@ -79,6 +85,33 @@ class _Copier:
         self.polls += 1
 
 
+def _journal(pool, host, kind: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Record a copy for the other ranks (their pools and host tiers are shards of the same
+    slots); nothing without them."""
+    if pool.copy_journal is not None:
+        pool.copy_journal.append((kind, src.to("cpu", torch.int64), dst.to("cpu", torch.int64),
+                                  host.size))
+
+
+def replay_copies(pool, host, copies: list):
+    """A worker rank: rank 0's journaled copies made between ``pool`` and ``host`` (created
+    here on the first, the size rank 0's host tier has: returned), in order."""
+    from engine.hicache.host_pool import HostKVPool
+
+    for kind, src, dst, size in copies:
+        if host is None:
+            host = HostKVPool(pool, size)
+        if kind == "backup":  # device src -> host dst
+            for bufs, hbufs in ((pool.k_buffer, host.k), (pool.v_buffer, host.v)):
+                for b, h in zip(bufs, hbufs):
+                    h.index_copy_(0, dst, b.index_select(0, src.to(b.device)).to(h.device))
+        else:  # load: host src -> device dst
+            for bufs, hbufs in ((pool.k_buffer, host.k), (pool.v_buffer, host.v)):
+                for b, h in zip(bufs, hbufs):
+                    b.index_copy_(0, dst.to(b.device), h.index_select(0, src).to(b.device))
+    return host
+
+
 def _snapshot(pool, device_slots: torch.Tensor) -> list[list[torch.Tensor]]:
     """[K, V] per layer of the pool's ``device_slots``, gathered now on the current stream (a
     backup copies this, so the slots may be freed and reused at once)."""
@@ -113,6 +146,7 @@ class ThreadCopier(_Copier):
     def load(self, host, pool, host_slots, device_slots) -> Copy:
         """Host slots -> device slots."""
         h, d = host_slots.to(torch.int64), device_slots.to(torch.int64)
+        _journal(pool, host, "load", h, d)
 
         def run():
             for src, dst in ((host.k, pool.k_buffer), (host.v, pool.v_buffer)):
@@ -124,6 +158,7 @@ class ThreadCopier(_Copier):
     def backup(self, host, pool, device_slots, host_slots) -> Copy:
         """Device slots -> host slots, from a snapshot taken now."""
         h = host_slots.to(torch.int64)
+        _journal(pool, host, "backup", device_slots, h)
         snap = _snapshot(pool, device_slots.to(torch.int64))
 
         def run():
@@ -160,6 +195,7 @@ class CudaCopier(_Copier):
         """Host slots gathered into pinned staging (host memcpy), then copied to the device
         slots on the copy stream (non-blocking)."""
         h = host_slots.to(torch.int64)
+        _journal(pool, host, "load", h, device_slots)
         staged = [[torch.index_select(s, 0, h, out=torch.empty((len(h), *s.shape[1:]),
                                                                dtype=s.dtype, pin_memory=True))
                    for s in src] for src in (host.k, host.v)]
@@ -181,6 +217,7 @@ class CudaCopier(_Copier):
         """The slots gathered on the current stream (the snapshot), copied into pinned staging
         on the copy stream; scattered into the host pool when done."""
         h = host_slots.to(torch.int64)
+        _journal(pool, host, "backup", device_slots, h)
         snap = _snapshot(pool, device_slots.to(self.device, torch.int64))
         staged = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in src]
                   for src in snap]

@@ -85,6 +85,9 @@ class KVPool:
         # with workers (tp/pp ranks) holding copies of the table: every write since the last
         # forward, (row, start, slots on the host), which rank 0 sends with the next batch
         self.row_edits: list[tuple[int, int, torch.Tensor]] | None = None
+        # HiCache with --tp-size/--pp-size: the copies between this pool and the host tier,
+        # (kind, source slots, destination slots, host pool tokens), for the other ranks
+        self.copy_journal: list | None = None
         self._free_reqs = list(range(max_reqs - 1, -1, -1))
         self._row_free = [True] * max_reqs
         self.max_reqs = max_reqs

@@ -64,6 +64,7 @@ class ParallelRunner:
         self._send("kv_pool", kwargs)
         pool = self.inner.init_kv_pool(**kwargs)
         pool.row_edits = []  # from now on every table write goes to the workers too
+        pool.copy_journal = []  # and every HiCache copy (hicache/copier.py)
         return pool
 
     def init_cuda_graphs(self, sizes: list[int], graph_cls=None) -> float:
@@ -79,6 +80,7 @@ class ParallelRunner:
         pool = self.inner.kv_pool
         edits, pool.row_edits = pool.row_edits, []
         message = BatchMessage.of(batch, edits, return_all_logits)
+        message.copies, pool.copy_journal = pool.copy_journal or [], []
         message.parts = self.micro_batches(batch.batch_size)
         try:
             self._send("forward", message)

@@ -9,7 +9,7 @@ carries the tokens it chose, so every rank computes on the same tokens by constr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class BatchMessage:
     # ENGINE_PARALLEL_CHECK=1 (the tests): a checksum of the batch's rows of rank 0's table,
     # which a worker compares with its copy's
     check: int | None = None
+    # HiCache: the copies rank 0 made between its pool and its host tier since the last batch,
+    # for each rank to make in its own (hicache/copier.py: replay_copies)
+    copies: list = field(default_factory=list)
 
     @classmethod
     def of(cls, batch: ForwardBatch, edits: list, return_all_logits: bool) -> "BatchMessage":

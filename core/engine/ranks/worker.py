@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.device import detect_device
+from engine.hicache.copier import replay_copies
 from engine.models import default
 from engine.models.checkpoint import open_checkpoint
 from engine.models.config import ModelConfig
@@ -58,6 +59,7 @@ def serve_rank(ctx: RankContext, runner) -> None:
     dist.gather_object((runner.weight_bytes, runner.kv_bytes_per_token()), None, dst=0,
                        group=ctx.control)
     forwards = 0
+    host = None  # HiCache: this rank's host tier (made with rank 0's first copy)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctx.control)
@@ -65,6 +67,8 @@ def serve_rank(ctx: RankContext, runner) -> None:
         if kind == "forward":
             table = runner.kv_pool.req_to_token
             payload.apply_edits(table)  # a table out of step with rank 0's is fatal
+            if payload.copies:  # HiCache: rank 0's copies, in this rank's own tiers
+                host = replay_copies(runner.kv_pool, host, payload.copies)
             forwards += 1
             error = None
             try:
