@@ -84,27 +84,25 @@ def main():
           f"{'greedy tokens equal (per prompt)':>34s}")
     print(f"{'float32':30s} {ref_ppl:10.3f} {0:8.3f} {1:11.3f}")
     rows = {}
-    seen_blocks = False
     for label, kwargs, env in variants(args.kernels.split(",")):
         os.environ.update(env)
-        eng = Engine(path, max_total_tokens=4096, **kwargs)
-        note = getattr(eng.runner, "quant_note", None)
-        if note and "blocks as they are" in note:  # the GGUF's blocks with int8 activations:
-            if seen_blocks:  # ENGINE_INT8_KERNEL does not apply, one row says it
-                del eng
-                for key in env:
-                    os.environ.pop(key, None)
-                continue
-            seen_blocks = True
-            label = "w8a8_int8 (GGUF blocks)" + label[len("w8a8_int8"):].split(")", 1)[-1]
-        logits, ppl = evaluate(eng, ids)
-        agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
-        prefix = [common_prefix(a, b) for a, b in zip(greedy(eng), ref_greedy)]
-        rows[label] = (ppl, agree, prefix)
-        print(f"{label:30s} {ppl:10.3f} {ppl - ref_ppl:8.3f} {agree:11.3f} {str(prefix):>34s}")
-        del eng
-        for key in env:
-            os.environ.pop(key, None)
+        try:
+            eng = Engine(path, max_total_tokens=4096, **kwargs)
+            if "blocks as they are" in (eng.runner.quant_note or ""):
+                # the GGUF's blocks with int8 activations: ENGINE_INT8_KERNEL does not apply
+                label = "w8a8_int8 (GGUF blocks)"
+                if label in rows:
+                    continue
+            logits, ppl = evaluate(eng, ids)
+            agree = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+            prefix = [common_prefix(a, b) for a, b in zip(greedy(eng), ref_greedy)]
+            rows[label] = (ppl, agree, prefix)
+            print(f"{label:30s} {ppl:10.3f} {ppl - ref_ppl:8.3f} {agree:11.3f} "
+                  f"{str(prefix):>34s}")
+            del eng
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
     return ref_ppl, rows
 
 

@@ -102,14 +102,24 @@ def replay_copies(pool, host, copies: list):
         if host is None:
             host = HostKVPool(pool, size)
         if kind == "backup":  # device src -> host dst
-            for bufs, hbufs in ((pool.k_buffer, host.k), (pool.v_buffer, host.v)):
-                for b, h in zip(bufs, hbufs):
-                    h.index_copy_(0, dst, b.index_select(0, src.to(b.device)).to(h.device))
+            _write_host(host, _snapshot(pool, src.to(pool.k_buffer[0].device)), dst)
         else:  # load: host src -> device dst
-            for bufs, hbufs in ((pool.k_buffer, host.k), (pool.v_buffer, host.v)):
-                for b, h in zip(bufs, hbufs):
-                    b.index_copy_(0, dst.to(b.device), h.index_select(0, src).to(b.device))
+            _load_now(host, pool, src, dst)
     return host
+
+
+def _load_now(host, pool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    """Host slots -> device slots, now (int64 indices)."""
+    for src, dst in ((host.k, pool.k_buffer), (host.v, pool.v_buffer)):
+        for s, t in zip(src, dst):
+            t.index_copy_(0, device_slots.to(t.device), s.index_select(0, host_slots).to(t.device))
+
+
+def _write_host(host, snap: list[list[torch.Tensor]], host_slots: torch.Tensor) -> None:
+    """A snapshot's [K, V] per layer into the host slots (int64 indices)."""
+    for src, dst in zip(snap, (host.k, host.v)):
+        for s, t in zip(src, dst):
+            t.index_copy_(0, host_slots, s.to(t.device))
 
 
 def _snapshot(pool, device_slots: torch.Tensor) -> list[list[torch.Tensor]]:
@@ -148,25 +158,16 @@ class ThreadCopier(_Copier):
         h, d = host_slots.to(torch.int64), device_slots.to(torch.int64)
         _journal(pool, host, "load", h, d)
 
-        def run():
-            for src, dst in ((host.k, pool.k_buffer), (host.v, pool.v_buffer)):
-                for s, t in zip(src, dst):
-                    t.index_copy_(0, d, s.index_select(0, h))
-
-        return Copy(self, len(h) * host.bytes_per_token(), self._submit(run))
+        return Copy(self, len(h) * host.bytes_per_token(),
+                    self._submit(lambda: _load_now(host, pool, h, d)))
 
     def backup(self, host, pool, device_slots, host_slots) -> Copy:
         """Device slots -> host slots, from a snapshot taken now."""
         h = host_slots.to(torch.int64)
         _journal(pool, host, "backup", device_slots, h)
         snap = _snapshot(pool, device_slots.to(torch.int64))
-
-        def run():
-            for src, dst in zip(snap, (host.k, host.v)):
-                for s, t in zip(src, dst):
-                    t.index_copy_(0, h, s)
-
-        return Copy(self, len(h) * host.bytes_per_token(), self._submit(run))
+        return Copy(self, len(h) * host.bytes_per_token(),
+                    self._submit(lambda: _write_host(host, snap, h)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -227,14 +228,9 @@ class CudaCopier(_Copier):
                 for s, t in zip(src, dst):
                     t.copy_(s, non_blocking=True)
 
-        def scatter():
-            for src, dst in zip(staged, (host.k, host.v)):
-                for s, t in zip(src, dst):
-                    t.index_copy_(0, h, s)
-
         event = self._start(work)
-        return Copy(self, len(h) * host.bytes_per_token(), event=event, finish=scatter,
-                    keep=(snap, staged))
+        return Copy(self, len(h) * host.bytes_per_token(), event=event,
+                    finish=lambda: _write_host(host, staged, h), keep=(snap, staged))
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -173,12 +173,12 @@ class HiRadixCache(RadixCache):
             if slots is None:
                 return False
         self.host_size += n
-        if self.submitted > self.written:  # the batch that writes its K/V may still run
-            node.host_value, node.writing = slots, Deferred(node, self.submitted)
-            self._deferred.append(node.writing)
-            return True
         node.host_value = slots
-        self._start_backup(node, node.value, slots)
+        if self.submitted > self.written:  # the batch that writes its K/V may still run
+            node.writing = Deferred(node, self.submitted)
+            self._deferred.append(node.writing)
+        else:
+            self._start_backup(node, node.value, slots)
         return True
 
     def _start_backup(self, node: Node, value: torch.Tensor, slots: torch.Tensor) -> None:

@@ -38,6 +38,21 @@ def swap_quantizable(model: nn.Module, make, ignored=frozenset()) -> nn.Module:
     return model
 
 
+def scale_expected(stored: bool, scale: torch.Tensor | None, weight: str, scale_name: str,
+                   storage: str) -> bool:
+    """Whether a checkpoint scale ``scale_name`` is there to place: it must come exactly with a
+    weight ``weight`` stored as ``storage`` (``stored``), not with one given in floats."""
+    if not stored:
+        if scale is not None:
+            raise EngineError(f"The checkpoint has '{scale_name}' for a weight that is not "
+                              f"{storage}.")
+        return False
+    if scale is None:
+        raise EngineError(f"The checkpoint's '{weight}' is {storage} but it has no "
+                          f"'{scale_name}'.")
+    return True
+
+
 class RowQuantLinear(nn.Module):
     storage_dtype: torch.dtype = torch.int8
     method = "quantized"
@@ -130,15 +145,9 @@ class RowQuantLinear(nn.Module):
         for shard, (start, rows) in (self._offsets or {"": (0, self.out_features)}).items():
             scale = self._ckpt_scales.pop(shard, None)
             name = self._name(shard or None, self._scale_names.pop(shard, self.scale_names[0]))
-            if self._came_as.get(shard) == "quantized":
-                if scale is not None:
-                    raise EngineError(f"The checkpoint has '{name}' for a weight that is not "
-                                      f"{self.storage_name}.")
-                continue
-            if scale is None:
-                raise EngineError(f"The checkpoint's '{self._name(shard or None, 'weight')}' "
-                                  f"is {self.storage_name} but it has no '{name}'.")
-            self.place_scale(name, start, rows, scale)
+            if scale_expected(self._came_as.get(shard) != "quantized", scale,
+                              self._name(shard or None, "weight"), name, self.storage_name):
+                self.place_scale(name, start, rows, scale)
         self._came_as.clear()
 
     def place_scale(self, name: str, start: int, rows: int, scale: torch.Tensor) -> None:

@@ -208,22 +208,19 @@ class SpecDecoder:
         finally:
             for t in borrowed:
                 pool.free_req(t)
-        accepted = [0] * len(decodes)
-        at_node = [-1] * len(decodes)  # the node each request has reached (-1: its root)
-        path_of: list[list[int]] = [[] for _ in decodes]
+        path_of: list[list[int]] = [[] for _ in decodes]  # each request's accepted nodes
         active = list(range(len(decodes)))
         j = 0
-        while active:
+        while active:  # a request at node m samples from its row first_row + 1 + m (root: + 0)
             sampled = _round(s, decodes, old, active, j, logits,
-                             [first_row[i] + 1 + at_node[i] if at_node[i] >= 0 else first_row[i]
+                             [first_row[i] + (path_of[i][-1] + 1 if path_of[i] else 0)
                               for i in active])
             nxt = []
             for i, token in zip(active, sampled):
-                child = children[i].get((at_node[i], token))
+                at = path_of[i][-1] if path_of[i] else -1
+                child = children[i].get((at, token))
                 if child is None or decodes[i].finished:
                     continue
-                accepted[i] += 1
-                at_node[i] = child
                 path_of[i].append(child)
                 # the request's positions after its root: the accepted path's slots first
                 own, path = slots[i], path_of[i]
@@ -232,7 +229,7 @@ class SpecDecoder:
                 pool.write_row(r.row, o + 1, own[path + rest])
                 nxt.append(i)
             active, j = nxt, j + 1
-        return accepted, len(ids)
+        return [len(p) for p in path_of], len(ids)
 
 
 def _first_path(d: Draft) -> Draft:

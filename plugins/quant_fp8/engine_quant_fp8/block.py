@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.mla import LatentProjection
-from engine.layers.quantized import RowQuantLinear
+from engine.layers.quantized import RowQuantLinear, scale_expected
 from engine.registry import EngineError
 from engine_quant_fp8.quant import E4M3, WIDEN_FACTOR, widen_e4m3
 
@@ -146,14 +146,9 @@ class FP8Latent(LatentProjection):
     def finish_loading(self) -> None:
         q, scale, self._stored, self._scale = self._stored, self._scale, None, None
         name = f"{self.prefix}.{self._scale_name}"
-        if q is None:
-            if scale is not None:
-                raise EngineError(f"The checkpoint has '{name}' for a weight that is not "
-                                  f"float8_e4m3fn.")
+        if not scale_expected(q is not None, scale, f"{self.prefix}.weight", name,
+                              "float8_e4m3fn"):
             return
-        if scale is None:
-            raise EngineError(f"The checkpoint's '{self.prefix}.weight' is float8_e4m3fn but "
-                              f"it has no '{name}'.")
         rows, cols = q.shape
         w = widen_e4m3(q, torch.float32) / WIDEN_FACTOR
         if self.block is not None:
