@@ -95,6 +95,38 @@ def test_the_overlap_scheduler_backs_up_only_what_its_worker_wrote(model, refere
     assert_all_free(engine)
 
 
+def test_overlap_with_every_request_kind(model):
+    """HiCache under the overlap scheduler beside echo + prompt logprobs, seeded n > 1 and a
+    grammar, with prompts evicted to the host and loaded back: what the overlap scheduler
+    gives without tiers."""
+    from engine.interfaces import Constraint
+
+    ps = prompts(4, 120, seed=7)
+    kinds = [({**GREEDY, "logprobs": True}, {"prompt_logprobs": 2}),
+             ({"temperature": 1.0, "seed": 3, "n": 2, "max_new_tokens": 8}, {}),
+             ({"temperature": 0.9, "seed": 4, "max_new_tokens": 8},
+              {"constraint": Constraint("regex", "(ab|cd)+x", "regex")}),
+             (GREEDY, {})]
+
+    def serve(engine):
+        out = []
+        for _ in range(2):  # the second pass finds the first's prompts in the host tier
+            for p, (params, extra) in zip(ps, kinds):
+                reqs = engine.add_request(p, params, **extra)
+                run_checked(engine, reqs)
+                out.append([(r.output_ids, [round(x, 3) for x in r.output_logprobs],
+                             [None if x is None else round(x, 3) for x in r.input_logprobs])
+                            for r in reqs])
+        return out
+
+    ref = serve(Engine(model, max_total_tokens=320, enable_overlap_schedule=True))
+    engine = hicache(model, hicache_ratio=3, enable_overlap_schedule=True)
+    assert serve(engine) == ref
+    assert engine.scheduler.kv.stats.hits["host"] > 0
+    engine.close()
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("policy,ranks", [("write_through", {"tp_size": 2}),
                                           ("write_back", {"tp_size": 2}),
                                           ("write_through", {"pp_size": 2})])

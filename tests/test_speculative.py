@@ -108,14 +108,16 @@ def test_seeded_sampling_n_and_penalties_identical(model):
     assert got == ref
 
 
-def test_echo_with_prompt_logprobs_next_to_drafting_requests(model):
-    """A request scoring its prompt (echo + logprobs) among requests that draft: its prompt
-    chunks run without drafts, its logprobs and everyone's tokens are those of no speculation."""
+@pytest.mark.parametrize("tree", [{}, {"speculative_ngram_max_bfs_breadth": 3}])
+def test_echo_with_prompt_logprobs_next_to_drafting_requests(model, tree):
+    """A request scoring its prompt (echo + logprobs) among requests that draft (chains, or
+    n-gram trees): its prompt chunks run without drafts, its logprobs and everyone's tokens
+    are those of no speculation."""
     prompts = [ids(70 + i, 30) * 2 for i in range(3)]
     outs = []
     for spec in (False, True):
         engine = Engine(model, max_total_tokens=4000, chunked_prefill_size=16,
-                        **({"speculative_algorithm": "NGRAM"} if spec else {}))
+                        **({"speculative_algorithm": "NGRAM", **tree} if spec else {}))
         if spec:
             draft_everything(engine)
         reqs = (engine.add_request(prompts[0], {**GREEDY, "max_new_tokens": 20})
@@ -281,6 +283,11 @@ def test_ngram_trees_greedy_identical(model):
     assert got == ref
     drafter = engine.scheduler.spec.drafter
     assert drafter.breadth == 3 and engine.scheduler.spec.stats.drafted > 0
+    # seeded samples (n > 1) and penalties over the same tries
+    sampled = [{"temperature": 1.0, "seed": 3, "n": 3, "max_new_tokens": 12, "ignore_eos": True},
+               {"temperature": 0.7, "seed": 8, "repetition_penalty": 1.3, "max_new_tokens": 20,
+                "ignore_eos": True}]
+    assert run(engine, prompts[:2], sampled) == run(plain, prompts[:2], sampled)
     assert_all_free(engine)
 
 
@@ -301,13 +308,14 @@ def test_the_ngram_drafter_builds_tries_likeliest_first():
     assert draft.first(3) == Draft([5, 6, 4], 3, [-1, 0, -1])
 
 
-def test_a_grammar_constrained_request_is_identical(model):
+@pytest.mark.parametrize("tree", [{}, {"speculative_ngram_max_bfs_breadth": 3}])
+def test_a_grammar_constrained_request_is_identical(model, tree):
     from engine.interfaces import Constraint
 
     regex = Constraint("regex", "(ab|cd)+x", "regex")
     outs = []
     for spec in (False, True):
-        kw = {"speculative_algorithm": "NGRAM"} if spec else {}
+        kw = {"speculative_algorithm": "NGRAM", **tree} if spec else {}
         engine = Engine(model, max_total_tokens=1000, **kw)
         if spec:
             draft_everything(engine)
