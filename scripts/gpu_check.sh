@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: run from the repository root on a lent GPU machine, after `make gpu-kit` here.
 #
-#   scripts/gpu_check.sh [--dry-run] [--part 1|2|all] [--budget SECONDS] [OUTDIR]
+#   scripts/gpu_check.sh [--dry-run] [--part 1|2|all] [--steps "b a d e c"] [--budget SECONDS] [OUTDIR]
 #
 # Installs .gpu-kit offline over the machine's own torch (pip --no-index --no-deps --target), then
 # runs each step under `timeout`, going on past a failing one:
@@ -16,16 +16,19 @@
 # --part 1 runs kit, b, e, c; --part 2 runs kit, d, a (two calls of under 10 minutes each); the
 # default runs all of them within --budget seconds (default 570: one 10-minute call), each step's
 # timeout cut to what is left.
+# --steps runs the steps named, in the order named (after the kit), instead of --part's.
 # --dry-run (a CPU machine): checks the kit against its manifest and the 60 MiB cap, installs its
 # wheels into a temporary folder (the cp312 binaries with pip's --platform/--python-version), and
 # writes the report with every GPU step skipped for the reason found; exit 1 only if the kit fails.
 # --rehearse (a CPU machine, for this script's own plumbing): every step runs, on the CPU and small
 # (--device cpu, a tiny model; pytest's gpu tests skip, cuda_graphs.py says it needs CUDA).
-# Environment: PYTHON (default python3), GPU_KIT (default .gpu-kit).
+# Environment: PYTHON (default python3), GPU_KIT (default .gpu-kit), GPU_THROUGHPUT_ARGS (more
+# arguments for step (e), e.g. "--profile 20"), GPU_PYTEST_ARGS (more for step (a)'s pytest, e.g.
+# "-n 8" with pytest-xdist), GPU_DEVICE_TESTS (step (a)'s unmarked files).
 set -u
 cd "$(dirname "$0")/.."
 
-DRY=0 REHEARSE=0 PART=all BUDGET=${GPU_CHECK_BUDGET:-570} OUTDIR=""
+DRY=0 REHEARSE=0 STEPS_ARG="" PART=all BUDGET=${GPU_CHECK_BUDGET:-570} OUTDIR=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -34,6 +37,8 @@ while [ $# -gt 0 ]; do
     --part=*) PART=${1#--part=} ;;
     --budget) BUDGET=$2; shift ;;
     --budget=*) BUDGET=${1#--budget=} ;;
+    --steps) STEPS_ARG=$2; shift ;;
+    --steps=*) STEPS_ARG=${1#--steps=} ;;
     -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) OUTDIR=$1 ;;
@@ -48,6 +53,12 @@ case "$PART" in
   all) STEPS="b e d a c" ;;
   *) echo "gpu_check.sh: --part takes 1, 2 or all" >&2; exit 2 ;;
 esac
+if [ -n "$STEPS_ARG" ]; then  # the steps named, in that order (e.g. --steps "b a d")
+  STEPS=$(echo "$STEPS_ARG" | tr ',' ' ')
+  for id in $STEPS; do
+    case "$id" in b|e|d|a|c) ;; *) echo "gpu_check.sh: --steps takes b, e, d, a, c" >&2; exit 2 ;; esac
+  done
+fi
 
 OUTDIR=${OUTDIR:-${OUT:-gpu-check-out}}
 PY=${PYTHON:-python3}
@@ -150,10 +161,13 @@ fi
 GPU_TEST_FILES=$(grep -rlE --include='test_*.py' 'mark\.gpu' tests plugins 2>/dev/null | sort |
   tr '\n' ' ')
 # unmarked tests that run on the GPU when torch sees one (on a CPU: Triton's interpreter)
-GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests tests/test_moe_triton.py}
+GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests tests/test_moe_triton.py
+  tests/test_norm_triton.py}
+GPU_THROUGHPUT_ARGS=${GPU_THROUGHPUT_ARGS:-}
 PYTEST_TIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT="--timeout=120"
-PYTEST="$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors $PYTEST_TIMEOUT"
+PYTEST="$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors $PYTEST_TIMEOUT \
+  ${GPU_PYTEST_ARGS:-}"
 
 for id in $STEPS; do
   if [ -n "$REASON" ]; then
@@ -163,7 +177,8 @@ for id in $STEPS; do
   fi
   case "$id" in
     b) run_step b $T_B -- $PY scripts/gpu_greedy.py --json "$WORK/b.json" "${SMALL_B[@]}" ;;
-    e) run_step e $T_E -- $PY scripts/gpu_throughput.py --json "$WORK/e.json" "${SMALL_E[@]}" ;;
+    e) run_step e $T_E -- $PY scripts/gpu_throughput.py --json "$WORK/e.json" "${SMALL_E[@]}" \
+         $GPU_THROUGHPUT_ARGS ;;
     d) run_step d $T_D -- $PY scripts/gpu_attention.py --json "$WORK/d.json" "${SMALL_D[@]}" ;;
     a) run_step a $T_A --parse pytest -- bash -c "$PYTEST -m gpu --junitxml=$WORK/a1.xml \
          $GPU_TEST_FILES; $PYTEST --junitxml=$WORK/a2.xml $GPU_DEVICE_TESTS" ;;

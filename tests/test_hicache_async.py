@@ -224,7 +224,7 @@ def test_the_cuda_copy_stream_loads_and_backs_up():
     from engine.hicache.host_pool import HostKVPool
 
     dev = torch.device("cuda")
-    pool = SimpleNamespace(page_size=1, device=dev,
+    pool = SimpleNamespace(page_size=1, device=dev, copy_journal=None,
                            k_buffer=[torch.randn(64, 2, 8, device=dev) for _ in range(2)],
                            v_buffer=[torch.randn(64, 2, 8, device=dev) for _ in range(2)])
     host = HostKVPool(pool, 32)

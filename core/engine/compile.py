@@ -75,7 +75,8 @@ def warm_up(runner, rows: int = MIN_ROWS) -> float:
     locs = pool.extend_slots(row, 0, rows)
     start = time.perf_counter()
     try:
-        batch = ForwardBatch.build([[0] * rows], [0], [row], locs, pool.req_to_token)
+        batch = ForwardBatch.build([[0] * rows], [0], [row], locs, pool.req_to_token,
+                                   device=pool.req_to_token.device)
         runner.forward(batch)
     finally:
         pool.free_request(row, rows)

@@ -40,7 +40,8 @@ def prefill_logits(runner, prompts: list[list[int]], return_all_logits: bool = F
     pool = runner.kv_pool
     rows = [pool.alloc_req() for _ in prompts]
     locs = torch.cat([pool.extend_slots(r, 0, len(p)) for r, p in zip(rows, prompts)])
-    batch = ForwardBatch.build(prompts, [0] * len(prompts), rows, locs, pool.req_to_token)
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), rows, locs, pool.req_to_token,
+                               device=pool.req_to_token.device)
     logits = runner.forward(batch, return_all_logits)
     for row, prompt in zip(rows, prompts):
         pool.free_request(row, len(prompt))

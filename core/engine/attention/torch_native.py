@@ -105,7 +105,7 @@ class TorchNativeBackend(AttentionBackend):
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         T, H, D = q.shape
         if len(self.groups) == 1 and self.groups[0].tokens is None:
-            return self.attend_group(self.groups[0], q, layer_id).view(T, H, D)
+            return self.attend_group(self.groups[0], q, layer_id).reshape(T, H, D)
         out = q.new_empty(T, H, D)
         self.attend_groups(q, layer_id, out)
         return out
@@ -151,7 +151,9 @@ class TorchNativeBackend(AttentionBackend):
             # the G query heads sharing a KV head become G query rows: no K/V copy, one bmm
             qf = q.view(B, KVH, H // KVH, D)
             o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=spec.scaling)
-            return o.view(B, 1, H, v.shape[-1])
+            # [B, KVH, G, Dv] -> [B, 1, H, Dv]: a reshape, since CUDA's SDPA kernels may hand
+            # back a strided layout that no view reads as the heads in order
+            return o.reshape(B, 1, H, v.shape[-1])
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                            scale=spec.scaling, enable_gqa=H != KVH)
         return o.transpose(1, 2)

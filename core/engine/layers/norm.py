@@ -1,9 +1,12 @@
-"""RMSNorm, computed in float32 whatever the model dtype (as the checkpoints were trained)."""
+"""RMSNorm, computed in float32 whatever the model dtype (as the checkpoints were trained); on
+CUDA one fused Triton kernel (layers/activation.py says when)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.layers.activation import gpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            ops = gpu_ops()
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         if dtype == torch.float32:  # the same ops without the two casts (a decode step's
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))

@@ -8,10 +8,10 @@ index, plus the embedding on the first stage and the final norm and LM head on t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.layers.activation import silu_mul
 from engine.layers.attention import Attention
 from engine.layers.embedding import Embedding, LMHead
 from engine.layers.linear import Linear, MergedLinear
@@ -108,7 +108,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

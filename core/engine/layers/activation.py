@@ -1,0 +1,48 @@
+"""SiLU-and-mul, and which GPU kernels the small layers use (layers/norm_triton.py).
+
+On CUDA with triton installed, ``RMSNorm`` and ``silu_mul`` run one fused Triton kernel each
+(SGLang's and vLLM's fused ``rmsnorm``/``silu_and_mul``); elsewhere, and with
+``ENGINE_NORM_KERNEL=torch``, the eager torch ops, which give the same bits up to the order of
+RMSNorm's float32 sum. A CUDA machine whose triton does not import says so once in the log."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+NORM_KERNEL_ENV = "ENGINE_NORM_KERNEL"  # "torch": the eager ops on a GPU too
+log = logging.getLogger("engine")
+_ops = None  # layers/norm_triton once imported; False where it cannot be
+
+
+def gpu_ops():
+    """layers/norm_triton, or None where the eager ops run (asked only for CUDA tensors)."""
+    global _ops
+    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch":
+        return None
+    if _ops is None:
+        _ops = False
+        if importlib.util.find_spec("triton") is None:
+            log.warning("RMSNorm and SiLU-and-mul run as eager torch ops on the GPU: triton is "
+                        "not installed (pip install triton) for their fused kernels")
+        else:
+            try:
+                import engine.layers.norm_triton as ops
+                _ops = ops
+            except Exception as exc:  # noqa: BLE001 (a broken triton install: said once)
+                log.warning("RMSNorm and SiLU-and-mul run as eager torch ops on the GPU: their "
+                            "Triton kernels did not import (%s: %s)", type(exc).__name__, exc)
+    return _ops or None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: one kernel on a GPU (rows with a contiguous last dimension)."""
+    if gate.is_cuda and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        ops = gpu_ops()
+        if ops is not None:
+            return ops.silu_mul(gate, up)
+    return F.silu(gate) * up
