@@ -143,8 +143,52 @@ def test_every_rank_keeps_its_own_host_tier(model, reference, policy, ranks):
     stats = engine.scheduler.kv.stats
     assert stats.hits["host"] > 0 and stats.bytes["host->device"] > 0
     engine.close()
-    with pytest.raises(ConfigError, match="--hicache-storage-backend with --tp-size"):
-        Engine(model, enable_hierarchical_cache=True, hicache_storage_backend="file", **ranks)
+
+
+@pytest.mark.parametrize("ranks", [{"tp_size": 2}, {"pp_size": 2}])
+def test_every_rank_stores_its_own_shard(model, tmp_path, ranks, caplog):
+    """The storage tier with ranks: each rank writes its shard of a page (rank 1 under the key
+    + "-r1"); a prefix evicted from the device and host tiers comes back from disk on both
+    ranks, after a restart too, with the outputs of one process; a page whose rank-1 shard is
+    damaged is refused as a whole (logged), and pages of another layout are not found."""
+    [p] = prompts(1, 200, seed=2)
+    [ref] = run(Engine(model, max_total_tokens=320), [p])[0]
+    key = len(p) - 1
+    stored = key - key % STORAGE_PAGE_TOKENS
+    engine = hicache(model, tmp_path, **ranks)
+    assert run(engine, [p])[0] == [ref]
+    tree, stats = engine.scheduler.kv.cache, engine.scheduler.kv.stats
+    tree.drain()  # its host copy landed: its pages are queued for storage on both ranks
+    tree.evict(tree.total_size)
+    tree.evict_host(tree.host_size)  # only the disk has it now: both ranks' shards
+    outs, cached = run(engine, [p])
+    assert outs == [ref] and cached == [stored]
+    assert stats.hits["storage"] == stored
+    engine.close()  # writes every rank's queued pages
+    mine = sorted(glob.glob(str(tmp_path / "*.kvpage")))
+    shards = [f for f in mine if f.endswith("-r1.kvpage")]
+    assert len(shards) == len(mine) - len(shards) == stored // STORAGE_PAGE_TOKENS
+
+    restarted = hicache(model, tmp_path, **ranks)
+    assert run(restarted, [p]) == ([ref], [stored])
+    restarted.close()
+
+    # one process, another layout: its own keys, nothing of the ranks' found
+    single = hicache(model, tmp_path)
+    assert run(single, [p]) == ([ref], [0])
+    single.close()
+
+    first = min(shards, key=lambda f: os.path.getmtime(f))  # the first page's rank-1 shard
+    with open(first, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    damaged = hicache(model, tmp_path, **ranks)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        outs, cached = run(damaged, [p])
+    assert outs == [ref] and cached[0] < stored
+    assert "-r1 ignored, not loaded: corrupt" in caplog.text
+    damaged.close()
+    assert_all_free(damaged)
 
 
 def test_page_size_4_and_a_batch_at_once(model, tmp_path):

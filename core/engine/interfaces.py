@@ -423,8 +423,9 @@ class HiCacheStorageContext:
 
 class HiCacheStorage(ABC):
     """The storage tier of ``--enable-hierarchical-cache``: opaque pages of bytes under string
-    keys (the hash chain of a prefix's pages: servers that share a store share prefixes). The
-    core encodes and checks pages (identity, tokens, checksum), so a backend stores bytes as
+    keys (the hash chain of a prefix's pages: servers that share a store share prefixes; with
+    ranks, rank r > 0 stores its shard under the key + ``-r{r}``). The core encodes and checks
+    pages (identity, tokens, checksum), so a backend stores bytes as
     given. Called from the core's background threads (one writer, one reader): a backend
     must be thread-safe. ``get`` of a missing key returns None; a failing store raises."""
 

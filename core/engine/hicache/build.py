@@ -43,17 +43,48 @@ def build_hicache(config, runner, pool, storage_entry, stats) -> HiRadixCache:
                                              pool.page_size))
     storage = None
     if storage_entry is not None:
+        from engine.hicache.shards import rank_identity, shard_from
         from engine.hicache.storage import StorageTier
-        from engine.interfaces import HiCacheStorageContext
 
         page_tokens = storage_page_tokens(pool.page_size)
         ident = identity(config, runner, pool, page_tokens)
-        backend = storage_entry.obj(HiCacheStorageContext(
-            storage_dir(config), ident, config.plugin_options.get(storage_entry.plugin, {})))
+        shards, remote_flush = [], None
+        ranks = getattr(runner, "hicache_storage", None)  # ranks/executor.py's ParallelRunner
+        if ranks is not None:  # every rank stores its own shard (hicache/shards.py)
+            ident = rank_identity(ident, runner.topo, 0)
+            shards = [shard_from(sent) for sent in ranks(page_tokens)]
+            remote_flush = runner.hicache_flush
         like = PageKV(*host.read(host_slots_of(page_tokens)))
-        storage = StorageTier(backend, ident, page_tokens, like,
-                              config.hicache_storage_prefetch_policy, stats)
+        storage = StorageTier(open_backend(storage_entry, config, ident), ident, page_tokens,
+                              like, config.hicache_storage_prefetch_policy, stats, shards,
+                              remote_flush)
     return HiRadixCache(pool, host, config.hicache_write_policy, stats, storage)
+
+
+def open_backend(entry, config, ident: dict):
+    """The storage backend of ``entry`` (a register_hicache_storage entry) for pages of
+    ``ident``."""
+    from engine.interfaces import HiCacheStorageContext
+
+    return entry.obj(HiCacheStorageContext(storage_dir(config), ident,
+                                           config.plugin_options.get(entry.plugin, {})))
+
+
+def build_rank_pages(config, runner, topo, rank: int, page_tokens: int):
+    """A worker rank's shard of the storage tier (``RankPages``) and what it tells rank 0
+    about it (hicache/shards.py's ``shard_of``)."""
+    from engine.hicache.report import TierStats
+    from engine.hicache.shards import RankPages, page_like, rank_identity, shard_of, suffix_of
+    from engine.hicache.storage import StorageTier
+    from engine.plugins import get_registries
+
+    pool = runner.kv_pool
+    ident = rank_identity(identity(config, runner, pool, page_tokens), topo, rank)
+    like = page_like(pool, page_tokens)
+    tier = StorageTier(open_backend(resolve_storage(get_registries(), config), config, ident),
+                       ident, page_tokens, like, config.hicache_storage_prefetch_policy,
+                       TierStats())
+    return RankPages(tier, suffix_of(rank)), shard_of(suffix_of(rank), ident, like)
 
 
 def host_slots_of(n: int):
@@ -74,5 +105,6 @@ def hicache_line(cache) -> str:
     s = cache.storage
     if s is None:
         return line + "; storage: none"
+    ranks = f", each of {len(s.shards) + 1} ranks its own shard" if s.shards else ""
     return (line + f"; storage: {s.backend.describe()}, pages of {s.page_tokens} tokens, "
-                   f"prefetch {s.policy}")
+                   f"prefetch {s.policy}{ranks}")

@@ -93,9 +93,19 @@ def _journal(pool, host, kind: str, src: torch.Tensor, dst: torch.Tensor) -> Non
                                   host.size))
 
 
-def replay_copies(pool, host, copies: list):
+def journal_storage(pool, host, kind: str, what, where) -> None:
+    """Record a storage-tier step for the other ranks (hicache/shards.py): ``store`` (``what``:
+    the page's key and tokens, ``where``: where its K/V are, ``read_sources``'s segments) or
+    ``storage_load`` (``what``: key, tokens and the first position used, ``where``: the
+    device slots); nothing without them."""
+    if pool.copy_journal is not None:
+        pool.copy_journal.append((kind, what, where, host.size))
+
+
+def replay_copies(pool, host, copies: list, storage=None):
     """A worker rank: rank 0's journaled copies made between ``pool`` and ``host`` (created
-    here on the first, the size rank 0's host tier has: returned), in order."""
+    here on the first, the size rank 0's host tier has: returned), in order; the storage
+    steps with this rank's ``storage`` (hicache/shards.py's ``RankPages``)."""
     from engine.hicache.host_pool import HostKVPool
 
     for kind, src, dst, size in copies:
@@ -103,9 +113,43 @@ def replay_copies(pool, host, copies: list):
             host = HostKVPool(pool, size)
         if kind == "backup":  # device src -> host dst
             _write_host(host, _snapshot(pool, src.to(pool.k_buffer[0].device)), dst)
-        else:  # load: host src -> device dst
+        elif kind == "load":  # host src -> device dst
             _load_now(host, pool, src, dst)
+        elif storage is None:
+            raise RuntimeError(f"rank 0 sent a HiCache storage step ({kind}) to a rank without "
+                               f"a storage tier")
+        elif kind == "store":  # this rank's shard of a page, queued for storage
+            storage.store(pool, host, src, dst)
+        else:  # storage_load: this rank's shard of a stored page into the device slots dst
+            storage.load(pool, src, dst)
     return host
+
+
+def read_sources(pool, host, sources: list) -> tuple[list, list]:
+    """Per layer K and V (host tensors) of ``sources``: ("host" | "device", slots) segments,
+    in order."""
+    ks, vs = [], []
+    for where, slots in sources:
+        if where == "host":
+            k, v = host.read(slots)
+        else:
+            idx = slots.to(pool.k_buffer[0].device, torch.int64)
+            k = [buf.index_select(0, idx).cpu() for buf in pool.k_buffer]
+            v = [buf.index_select(0, idx).cpu() for buf in pool.v_buffer]
+        ks.append(k)
+        vs.append(v)
+    return [torch.cat(layer) for layer in zip(*ks)], [torch.cat(layer) for layer in zip(*vs)]
+
+
+def load_page(pool, page, off: int, rows: torch.Tensor) -> int:
+    """A storage page's K/V from its position ``off`` on into the device slots ``rows``
+    (int64, on the pool's device); the bytes moved."""
+    moved = 0
+    for bufs, tensors in ((pool.k_buffer, page.k), (pool.v_buffer, page.v)):
+        for buf, t in zip(bufs, tensors):
+            buf.index_copy_(0, rows, t[off:].to(buf.device))
+            moved += t[off:].numel() * t.element_size()
+    return moved
 
 
 def _load_now(host, pool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:

@@ -55,10 +55,6 @@ def check_hicache(config, need) -> None:
         and config.hicache_storage_dir is None),
         "--hicache-storage-prefetch-policy and --hicache-storage-dir are the storage tier's: "
         "add --hicache-storage-backend file (or a plugin's backend), or drop them.")
-    need(config.tp_size * config.pp_size == 1 or config.hicache_storage_backend is None,
-         "--hicache-storage-backend with --tp-size or --pp-size > 1 is not supported yet (a "
-         "storage page would hold rank 0's shard of the K/V only); drop one of them (the host "
-         "tier works with them).")
 
 
 def host_pool_tokens(config, device_tokens: int, bytes_per_token: int, page_size: int) -> int:

@@ -8,6 +8,10 @@ which reads and checks the pages in order and stops at the first missing or refu
 (refused pages are logged, never loaded). ``--hicache-storage-prefetch-policy``: best_effort
 admits the request with what has been read so far, wait_complete holds it (not the others)
 until its prefetch is done, timeout holds it at most SGLang's 1 s + 0.25 s per 1024 tokens.
+
+With ranks (``--tp-size``/``--pp-size``) every rank stores its own shard of a page, rank r > 0
+under the page's key + ``-r{r}`` (hicache/shards.py); rank 0's reader reads and checks every
+rank's shard of a page before the page counts as read, so a page loads on all ranks or none.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.hicache.copier import journal_storage, read_sources
 from engine.hicache.pages import PageError, PageKV, decode, encode, identity_seed, page_keys
 from engine.hicache.settings import prefetch_timeout
 
@@ -31,7 +36,7 @@ MAX_KEY_MEMOS = 1024
 
 
 class StorageMatch(NamedTuple):
-    pages: list  # (position of the page's first token, PageKV), consecutive
+    pages: list  # (position of the page's first token, PageKV, key, tokens), consecutive
     length: int  # tokens they add past the tree's match
     wait: bool  # the prefetch policy holds the request back for now
 
@@ -47,11 +52,20 @@ class _Prefetch:
     cancelled: bool = False
 
 
+class Shard(NamedTuple):
+    """Another rank's shard of every page: its key suffix, identity and one page's shapes."""
+    suffix: str
+    identity: dict
+    like: PageKV
+
+
 class StorageTier:
     def __init__(self, backend, identity: dict, page_tokens: int, like: PageKV, policy: str,
-                 stats):
+                 stats, shards: list[Shard] | None = None, remote_flush=None):
         self.backend, self.identity, self.page_tokens = backend, identity, page_tokens
         self.like, self.policy, self.stats = like, policy, stats
+        self.shards = shards or []  # the other ranks' (ranks/executor.py: hicache_storage)
+        self.remote_flush = remote_flush  # their queued pages written, when they have some
         self.seed = identity_seed(identity)
         self._keys: OrderedDict = OrderedDict()  # rid -> (tokens, keys): the hash chains
         self._jobs: OrderedDict = OrderedDict()  # rid -> _Prefetch
@@ -89,11 +103,18 @@ class StorageTier:
             return
         keys = page_keys(tokens, p, self.seed, last)
         for i in range(first, last):
-            k, v = tree.read_kv(path, i * p, (i + 1) * p)
-            try:
-                self._queue.put_nowait((keys[i], tokens[i * p:(i + 1) * p], PageKV(k, v)))
-            except queue.Full:
-                self.stats.storage_dropped += 1
+            page_tokens = tokens[i * p:(i + 1) * p]
+            sources = tree.kv_sources(path, i * p, (i + 1) * p)
+            self.put(keys[i], page_tokens, PageKV(*read_sources(tree.pool, tree.host, sources)))
+            if self.shards:  # the other ranks store their shards of the same positions
+                journal_storage(tree.pool, tree.host, "store", (keys[i], page_tokens), sources)
+
+    def put(self, key: str, tokens, page: PageKV) -> None:
+        """Queue a page for the writer (a full queue drops it, counted)."""
+        try:
+            self._queue.put_nowait((key, tokens, page))
+        except queue.Full:
+            self.stats.storage_dropped += 1
 
     def _write_loop(self) -> None:
         while True:
@@ -112,8 +133,10 @@ class StorageTier:
                 self._queue.task_done()
 
     def flush_writes(self) -> None:
-        """Wait until every queued page is written (tests, shutdown)."""
+        """Wait until every queued page is written (tests, shutdown), the other ranks' too."""
         self._queue.join()
+        if self.remote_flush is not None:
+            self.remote_flush()
 
     def close(self) -> None:
         self.flush_writes()
@@ -141,7 +164,9 @@ class StorageTier:
                 self._jobs.popitem(last=False)[1].cancelled = True
             self._reader.submit(self._prefetch, job)
         ready = job.pages[first - job.first:]
-        pages = [((first + i) * p, page) for i, page in enumerate(ready)]
+        pages = [((first + i) * p, page, job.keys[first - job.first + i],
+                  job.tokens[(first - job.first + i) * p:(first - job.first + i + 1) * p])
+                 for i, page in enumerate(ready)]
         length = (first + len(ready)) * p - start if ready else 0
         wait = not job.done and (
             self.policy == "wait_complete" or (self.policy == "timeout" and time.monotonic()
@@ -160,18 +185,27 @@ class StorageTier:
             for i, key in enumerate(job.keys):
                 if job.cancelled:
                     return
-                data = self.backend.get(key)
-                if data is None:
-                    return
-                try:
-                    page = decode(data, key, self.identity, job.tokens[i * p:(i + 1) * p],
-                                  self.like)
-                except PageError as e:
-                    self.stats.storage_rejected += 1
-                    logger.warning(f"HiCache storage: page {key[:16]}… ignored, not loaded: {e}")
+                tokens = job.tokens[i * p:(i + 1) * p]
+                page = self._read(key, self.identity, tokens, self.like)
+                # a page loads on every rank or none: each other rank's shard checked here
+                if page is None or any(self._read(key + s.suffix, s.identity, tokens, s.like)
+                                       is None for s in self.shards):
                     return
                 job.pages.append(page)
         except Exception as e:
             logger.warning(f"HiCache storage: reading a page failed: {e}")
         finally:
             job.done = True
+
+    def _read(self, key: str, identity: dict, tokens, like: PageKV) -> PageKV | None:
+        """The page stored under ``key``, checked; None when it is missing or refused (logged,
+        counted)."""
+        data = self.backend.get(key)
+        if data is None:
+            return None
+        try:
+            return decode(data, key, identity, tokens, like)
+        except PageError as e:
+            self.stats.storage_rejected += 1
+            logger.warning(f"HiCache storage: page {key[:16]}…{key[64:]} ignored, not loaded: {e}")
+            return None

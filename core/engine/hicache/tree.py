@@ -33,7 +33,7 @@ from collections import deque
 
 import torch
 
-from engine.hicache.copier import make_copier
+from engine.hicache.copier import make_copier, read_sources
 from engine.memory.radix_cache import Node, RadixCache, _tick
 
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
@@ -298,22 +298,21 @@ class HiRadixCache(RadixCache):
         """Per layer K and V of positions [start, end) of the path ``nodes`` (whose first node
         starts at position ``offset``), read from each node's host copy, else its device
         copy."""
-        ks, vs, pos = [], [], offset
+        return read_sources(self.pool, self.host, self.kv_sources(nodes, start, end, offset))
+
+    def kv_sources(self, nodes: list[Node], start: int, end: int, offset: int = 0) -> list:
+        """Where ``read_kv`` reads positions [start, end) of the path ``nodes``: ("host" |
+        "device", slots) segments, in order."""
+        out, pos = [], offset
         for node in nodes:
             a, b = max(start, pos), min(end, pos + len(node.key))
             if a < b:
                 if node.host_value is not None:
-                    k, v = self.host.read(node.host_value[a - pos: b - pos])
+                    out.append(("host", node.host_value[a - pos: b - pos]))
                 else:
-                    idx = node.value[a - pos: b - pos].to(self.pool.k_buffer[0].device,
-                                                          torch.int64)
-                    k = [buf.index_select(0, idx).cpu() for buf in self.pool.k_buffer]
-                    v = [buf.index_select(0, idx).cpu() for buf in self.pool.v_buffer]
-                ks.append(k)
-                vs.append(v)
+                    out.append(("device", node.value[a - pos: b - pos]))
             pos += len(node.key)
-        return ([torch.cat(layer) for layer in zip(*ks)],
-                [torch.cat(layer) for layer in zip(*vs)])
+        return out
 
     # -- eviction ----------------------------------------------------------------------------
     def _nodes(self):

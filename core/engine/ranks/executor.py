@@ -103,6 +103,24 @@ class ParallelRunner:
                 raise
             raise RankFailed(self._blame(e)) from None
 
+    def hicache_storage(self, page_tokens: int) -> list:
+        """HiCache's storage tier: every worker opens its own shard of it (hicache/shards.py)
+        and says what its pages hold (``shard_of``), ranks 1.. in order."""
+        self._send("hicache_storage", page_tokens)
+        sent = [None] * self.topo.world
+        dist.gather_object(None, sent, dst=0, group=self.ctx.control)
+        return sent[1:]
+
+    def hicache_flush(self) -> None:
+        """The HiCache steps journaled since the last forward made on every rank, and every
+        rank's queued storage pages written (returns when they are)."""
+        if self._closed or self.failure:
+            return
+        pool = self.inner.kv_pool
+        copies, pool.copy_journal = pool.copy_journal or [], []
+        self._send("hicache_flush", copies)
+        dist.gather_object(None, [None] * self.topo.world, dst=0, group=self.ctx.control)
+
     def micro_batches(self, batch_size: int) -> int:
         """--pp-size micro-batches, or as many as --pp-max-micro-batch-size requests make."""
         most = self.config.pp_max_micro_batch_size

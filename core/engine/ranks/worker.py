@@ -54,12 +54,13 @@ def build_rank(config, rank: int, store, resolved: dict):
     return ctx, runner
 
 
-def serve_rank(ctx: RankContext, runner) -> None:
+def serve_rank(ctx: RankContext, runner, config=None) -> None:
     """Report this rank's sizes to rank 0, then follow its messages until ``stop``."""
     dist.gather_object((runner.weight_bytes, runner.kv_bytes_per_token()), None, dst=0,
                        group=ctx.control)
     forwards = 0
     host = None  # HiCache: this rank's host tier (made with rank 0's first copy)
+    storage = None  # and its shard of the storage tier (hicache/shards.py)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctx.control)
@@ -68,7 +69,7 @@ def serve_rank(ctx: RankContext, runner) -> None:
             table = runner.kv_pool.req_to_token
             payload.apply_edits(table)  # a table out of step with rank 0's is fatal
             if payload.copies:  # HiCache: rank 0's copies, in this rank's own tiers
-                host = replay_copies(runner.kv_pool, host, payload.copies)
+                host = replay_copies(runner.kv_pool, host, payload.copies, storage)
             forwards += 1
             error = None
             try:
@@ -83,7 +84,20 @@ def serve_rank(ctx: RankContext, runner) -> None:
             runner.init_kv_pool(**payload)
         elif kind == "graphs":
             runner.init_cuda_graphs(payload)
+        elif kind == "hicache_storage":
+            from engine.hicache.build import build_rank_pages
+
+            storage, sent = build_rank_pages(config, runner, ctx.topo, ctx.rank, payload)
+            dist.gather_object(sent, None, dst=0, group=ctx.control)
+        elif kind == "hicache_flush":
+            if payload:
+                host = replay_copies(runner.kv_pool, host, payload, storage)
+            if storage is not None:
+                storage.flush()
+            dist.gather_object(None, None, dst=0, group=ctx.control)
         elif kind == "stop":
+            if storage is not None:
+                storage.close()
             return
         else:
             raise RuntimeError(f"unknown message from rank 0: {kind!r}")
@@ -98,7 +112,7 @@ def run(config, rank: int, host: str, port: int, resolved: dict) -> None:
         ctx, runner = build_rank(config, rank, store, resolved)
         logger.info(f"{topo.describe(rank)} ready: weights {runner.weight_bytes / (1 << 20):.1f} "
                     f"MiB, KV {runner.kv_bytes_per_token()} bytes/token")
-        serve_rank(ctx, runner)
+        serve_rank(ctx, runner, config)
     except BaseException as e:  # noqa: BLE001 - named to rank 0, then the process ends
         message = f"{type(e).__name__}: {e}"
         rendezvous.report_error(store, rank, message)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.hicache.copier import journal_storage, load_page
 from engine.hicache.report import TierStats
 from engine.memory.kv_pool import KVPool
 from engine.memory.radix_cache import RadixCache
@@ -295,17 +296,17 @@ class KVManager:
 
     def _load_pages(self, pages: list, start: int, slots: torch.Tensor) -> None:
         """Storage pages' K/V into the pool's ``slots``, from position ``start`` on (the first
-        page may begin before it: the tree already held its head)."""
+        page may begin before it: the tree already held its head); with ranks, each loads its
+        own shard of the same pages into the same slots before the next forward."""
         pool, done, moved = self.pool, 0, 0
         idx = slots.to(pool.k_buffer[0].device, torch.int64)
-        for pos, page in pages:
+        for pos, page, key, tokens in pages:
             off = max(start - pos, 0)
             n = len(page.k[0]) - off
             rows = idx[done: done + n]
-            for bufs, tensors in ((pool.k_buffer, page.k), (pool.v_buffer, page.v)):
-                for buf, t in zip(bufs, tensors):
-                    buf.index_copy_(0, rows, t[off:].to(buf.device))
-                    moved += t[off:].numel() * t.element_size()
+            moved += load_page(pool, page, off, rows)
+            journal_storage(pool, self.cache.host, "storage_load", (key, tokens, off),
+                            rows.to("cpu"))
             done += n
         self.stats.moved("storage->device", moved)
 
