@@ -100,6 +100,44 @@ def test_a_host_load_waits_while_the_batch_decodes(model, reference):
     assert_all_free(engine)
 
 
+def test_a_stored_prefix_goes_through_the_host_tier_and_waits_like_a_host_load(
+        model, reference, tmp_path):
+    """A prefix only on disk: its pages (read ahead) become a host-only node, then load back
+    like one (on a GPU on the copy stream), the request waiting while the batch decodes."""
+    from engine.hicache.settings import STORAGE_PAGE_TOKENS
+
+    (a, b), (ref_a, ref_b) = reference
+    engine = hicache(model, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                     hicache_storage_prefetch_policy="wait_complete")
+    assert evicted_to_host(engine, a) == ref_a
+    kv, tree = engine.scheduler.kv, engine.scheduler.kv.cache
+    tree.storage.flush_writes()
+    tree.evict_host(tree.host_size)  # only the disk has it now
+    assert tree.host_size == 0 and tree.total_size == 0
+    tree.copier.delay_steps = DELAY
+    other = decoding(engine, b)
+    stored = (len(a) - 1) // STORAGE_PAGE_TOKENS * STORAGE_PAGE_TOKENS
+    moved = dict(kv.stats.bytes)
+
+    [waiter] = engine.add_request(a, GREEDY)
+    waited, progress = 0, []
+    while waiter.status is Status.WAITING:
+        before = len(other.output_ids)
+        step_checked(engine)
+        if waiter.status is Status.WAITING:
+            waited += 1
+            progress.append(len(other.output_ids) - before)
+    assert waited >= DELAY - 1 and all(n == 1 for n in progress), (waited, progress)
+    run_checked(engine, [waiter, other])
+    assert waiter.output_ids == ref_a and other.output_ids == ref_b
+    assert waiter.cached_tokens == stored and kv.stats.hits["storage"] == stored
+    per_token = tree.host.bytes_per_token()
+    assert kv.stats.bytes["host->device"] - moved["host->device"] == stored * per_token
+    assert kv.stats.bytes["storage->device"] - moved["storage->device"] == stored * per_token
+    engine.close()
+    assert_all_free(engine)
+
+
 def test_an_aborted_waiting_request_leaves_its_slots_to_the_cache(model, reference):
     (a, b), _ = reference
     engine = hicache(model)

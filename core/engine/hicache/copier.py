@@ -95,9 +95,9 @@ def _journal(pool, host, kind: str, src: torch.Tensor, dst: torch.Tensor) -> Non
 
 def journal_storage(pool, host, kind: str, what, where) -> None:
     """Record a storage-tier step for the other ranks (hicache/shards.py): ``store`` (``what``:
-    the page's key and tokens, ``where``: where its K/V are, ``read_sources``'s segments) or
-    ``storage_load`` (``what``: key, tokens and the first position used, ``where``: the
-    device slots); nothing without them."""
+    the page's key and tokens, ``where``: where its K/V are, ``read_sources``'s segments),
+    ``storage_host`` / ``storage_load`` (``what``: key, tokens and the first position used,
+    ``where``: the host / device slots it goes to); nothing without them."""
     if pool.copy_journal is not None:
         pool.copy_journal.append((kind, what, where, host.size))
 
@@ -120,6 +120,8 @@ def replay_copies(pool, host, copies: list, storage=None):
                                f"a storage tier")
         elif kind == "store":  # this rank's shard of a page, queued for storage
             storage.store(pool, host, src, dst)
+        elif kind == "storage_host":  # this rank's shard of a stored page into host slots dst
+            storage.load(host, src, dst, to_host=True)
         else:  # storage_load: this rank's shard of a stored page into the device slots dst
             storage.load(pool, src, dst)
     return host
@@ -139,6 +141,17 @@ def read_sources(pool, host, sources: list) -> tuple[list, list]:
         ks.append(k)
         vs.append(v)
     return [torch.cat(layer) for layer in zip(*ks)], [torch.cat(layer) for layer in zip(*vs)]
+
+
+def write_page_host(host, page, off: int, rows: torch.Tensor) -> int:
+    """A storage page's K/V from its position ``off`` on into the host slots ``rows``; the
+    bytes moved."""
+    moved = 0
+    for bufs, tensors in ((host.k, page.k), (host.v, page.v)):
+        for buf, t in zip(bufs, tensors):
+            buf.index_copy_(0, rows, t[off:].to(buf.dtype))
+            moved += t[off:].numel() * t.element_size()
+    return moved
 
 
 def load_page(pool, page, off: int, rows: torch.Tensor) -> int:

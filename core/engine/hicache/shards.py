@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.hicache.copier import load_page, read_sources
+from engine.hicache.copier import load_page, read_sources, write_page_host
 from engine.hicache.pages import PageError, PageKV, decode
 from engine.hicache.storage import Shard, StorageTier
 
@@ -62,9 +62,10 @@ class RankPages:
         key, tokens = what
         self.tier.put(key + self.suffix, tokens, PageKV(*read_sources(pool, host, sources)))
 
-    def load(self, pool, what: tuple, rows: torch.Tensor) -> None:
+    def load(self, pool, what: tuple, rows: torch.Tensor, to_host: bool = False) -> None:
         """This rank's shard of a page rank 0 found whole (every shard read and checked) into
-        ``rows``. Raises if it is gone or changed since: the ranks' K/V would disagree."""
+        ``rows`` of the device ``pool`` (or, ``to_host``, of the host tier given as ``pool``).
+        Raises if it is gone or changed since: the ranks' K/V would disagree."""
         key, tokens, off = what
         key += self.suffix
         tier = self.tier
@@ -78,8 +79,10 @@ class RankPages:
                                f"after rank 0 checked it ({e}): the ranks' K/V would differ; "
                                f"restart the server (the directory may be shared with a "
                                f"server that deletes pages)") from None
-        n = load_page(pool, page, off, rows.to(pool.k_buffer[0].device, torch.int64))
-        tier.stats.moved("storage->device", n)
+        if to_host:
+            write_page_host(pool, page, off, rows)
+        else:
+            load_page(pool, page, off, rows.to(pool.k_buffer[0].device, torch.int64))
 
     def flush(self) -> None:
         self.tier.flush_writes()

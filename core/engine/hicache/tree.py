@@ -33,7 +33,7 @@ from collections import deque
 
 import torch
 
-from engine.hicache.copier import make_copier, read_sources
+from engine.hicache.copier import journal_storage, make_copier, read_sources, write_page_host
 from engine.memory.radix_cache import Node, RadixCache, _tick
 
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
@@ -227,6 +227,37 @@ class HiRadixCache(RadixCache):
 
     def unpin(self) -> None:
         self._pinned.clear()
+
+    def stage(self, parent: Node, key, pages: list, start: int, keep: list[Node]) -> Node | None:
+        """Storage pages (read ahead) become a host-only child of ``parent`` (which ends at
+        position ``start``) holding ``key``: host slots taken (evicting there, LRU, but not
+        ``keep``), the pages' K/V written into them (with ranks, each rank its shard); then it
+        loads back like any host node. None, with nothing changed, when the host tier cannot
+        take it."""
+        n = len(key)
+        slots = self.host.alloc(n)
+        if slots is None:
+            self.pin(keep)
+            try:
+                self.evict_host(n - self.host.free_slots)
+            finally:
+                self.unpin()
+            slots = self.host.alloc(n)
+            if slots is None:
+                return None
+        done = 0
+        for pos, page, page_key, tokens in pages:
+            off = max(start - pos, 0)
+            rows = slots[done: done + len(page.k[0]) - off]
+            write_page_host(self.host, page, off, rows)
+            journal_storage(self.pool, self.host, "storage_host", (page_key, tokens, off), rows)
+            done += len(rows)
+        assert done == n, "storage pages and the staged key disagree"
+        node = Node(key, None, parent)
+        node.value, node.host_value = None, slots
+        parent.children[self._child_key(node.key)] = node
+        self.host_size += n
+        return node
 
     def start_load(self, nodes: list[Node], slots: torch.Tensor):
         """Host-only ``nodes`` (a path, in order) get device copies at ``slots``: counted and

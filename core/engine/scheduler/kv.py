@@ -86,6 +86,7 @@ class KVManager:
         self.stats = stats or TierStats()  # hits per tier (and HiCache's bytes moved)
         self.tiered = hasattr(cache, "match_tiers")
         self.loads: dict[str, PendingLoad] = {}  # rid -> its host load (HiCache)
+        self.staged: dict[str, int] = {}  # rid -> the stored tokens its host load brings
         self._orphans: list[PendingLoad] = []  # loads of requests gone before they landed
 
     # -- capacity ------------------------------------------------------------------------------
@@ -187,15 +188,34 @@ class KVManager:
         if not self.grow(req, n):
             self.retract(req)
             return False
+        loaded = pending.host_len if pending is not None else 0
+        staged = min(self.staged.pop(req.rid, 0), loaded)  # (staged, then evicted: recomputed)
         if req.num_retractions == 0:  # (a retracted request was counted the first time)
-            self._count_hits(matched, pending.host_len if pending is not None else 0)
+            self._count_hits(matched, loaded, staged)
         return True
 
-    def _count_hits(self, prefix: Prefix, loaded: int) -> None:
+    def _count_hits(self, prefix: Prefix, loaded: int, staged: int) -> None:
+        """``loaded``: the tokens its host load brought, ``staged`` of them from storage."""
         loads = prefix.loads
         self.stats.hit("device", len(prefix.slots) - loaded)
-        self.stats.hit("host", loaded)
-        self.stats.hit("storage", loads.storage_len if loads else 0)
+        self.stats.hit("host", loaded - staged)
+        self.stats.hit("storage", staged + (loads.storage_len if loads else 0))
+
+    def stage_storage(self, req: Req, prefix: Prefix) -> Prefix:
+        """HiCache: the match's storage pages (read ahead) into the host tier, as a host-only
+        node continuing the match, so that they load back as host nodes do (on a GPU on the
+        copy stream, the request waiting, the batch running); the match again. Where the host
+        tier cannot take them the match is returned as it was (its pages then go straight to
+        the device at admission)."""
+        loads = prefix.loads
+        start = len(prefix.slots) + loads.host_len
+        parent = loads.host_nodes[-1] if loads.host_nodes else prefix.node
+        key = req.seq[start: start + loads.storage_len]
+        if self.cache.stage(parent, key, loads.storage_pages, start, loads.host_nodes) is None:
+            return prefix
+        self.stats.moved("storage->device", loads.storage_len * self.cache.host.bytes_per_token())
+        self.staged[req.rid] = self.staged.get(req.rid, 0) + loads.storage_len
+        return self.match(req)
 
     def _load(self, req: Req, prefix: Prefix) -> Prefix | None:
         """HiCache: the prefix's storage pages (read ahead into host memory) copied into the
@@ -269,6 +289,7 @@ class KVManager:
     def forget(self, req: Req) -> None:
         """A waiting ``req`` is gone (aborted): its load's slots go back to the cache, unlocked
         (evictable) once the copy has landed."""
+        self.staged.pop(req.rid, None)
         pending = self.loads.pop(req.rid, None)
         if pending is None:
             return

@@ -223,6 +223,8 @@ class Scheduler(Commit):
         if extend + prefix.loading + reservation > room and (
                 self.running or prefill.chunks or others_loading):
             return Verdict.NO_ROOM
+        if prefix.loads is not None and prefix.loads.storage_len:  # HiCache: stored pages
+            prefix = self.kv.stage_storage(r, prefix)  # into the host tier, then as host nodes
         if prefix.loads is not None and prefix.loads.host_len:  # HiCache: copied back beside
             # the running batch first; it waits for the copy (False: its slots can't be freed)
             if not self.kv.start_load(r, prefix):
