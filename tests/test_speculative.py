@@ -338,6 +338,59 @@ def standalone(model, draft, **kw):
                                              "speculative_draft_model_path": draft, **kw}))
 
 
+def test_draft_model_trees_give_identical_outputs(model, tiny_model_factory):
+    """--speculative-eagle-topk 3: each request's draft is a tree (S levels of the 3 most
+    likely branches); every node's token is among its parent's 3 most likely next tokens of
+    the draft model (checked against the draft model alone, each node's path fed whole), the
+    most likely first; the target's outputs unchanged, with the target as its own draft every
+    greedy step accepting its whole best path."""
+    prompts = [ids(60 + i, 8 + 5 * i) for i in range(4)]
+    params = [{**GREEDY, "max_new_tokens": 24},
+              {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True},
+              {**GREEDY, "max_new_tokens": 16, "logprobs": True, "top_logprobs": 2,
+               "frequency_penalty": 0.5},
+              {**GREEDY, "max_new_tokens": 30}]
+    ref = run(Engine(model, max_total_tokens=4000), prompts, params)
+    other = tiny_model_factory("llama", num_hidden_layers=1, seed=7)
+    for draft, least in ((model, 2.0), (other, 1.0)):
+        engine = standalone(model, draft, speculative_eagle_topk=3, speculative_num_steps=3,
+                            speculative_num_draft_tokens=7)
+        drafter = engine.scheduler.spec.drafter
+        proposals, propose = [], drafter.propose
+
+        def recording(reqs, max_tokens, propose=propose, proposals=proposals):
+            out = propose(reqs, max_tokens)
+            proposals.extend((r.prompt_ids + r.output_ids, d) for r, d in zip(reqs, out))
+            return out
+
+        drafter.propose = recording
+        got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
+        assert got == ref
+        assert engine.scheduler.spec.stats.accept_length >= least
+        assert_all_free(engine)
+        assert not drafter.state and drafter.pool.free_slots == drafter.pool.size
+        trees = [d for _, d in proposals if d.parents is not None and d.tokens]
+        assert trees and any(len(set(d.parents)) < len(d.parents) for d in trees)  # branches
+        for d in trees:
+            assert all(p < j for j, p in enumerate(d.parents)) and max(d.depths()) <= 3
+    # against the draft model alone: each node among the top 3 after its path
+    plain = Engine(other, max_total_tokens=500)
+    checked = 0
+    for seq, d in proposals[::11]:
+        checked += len(d.tokens)
+        for j, (token, p) in enumerate(zip(d.tokens, d.parents)):
+            path, at = [], p
+            while at >= 0:
+                path.insert(0, d.tokens[at])
+                at = d.parents[at]
+            [out] = plain.generate(input_ids=[seq + path],
+                                   sampling_params={"max_new_tokens": 1, "temperature": 0,
+                                                    "logprobs": True, "top_logprobs": 3})
+            top = [t for t, _ in out["meta_info"]["output_top_logprobs"][0]]
+            assert token in top, (j, token, top)
+    assert checked >= 20
+
+
 def test_a_draft_model_gives_identical_outputs(model, tiny_model_factory):
     prompts = [ids(60 + i, 8 + 5 * i) for i in range(4)]
     params = [{**GREEDY, "max_new_tokens": 24},

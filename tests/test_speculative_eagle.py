@@ -100,6 +100,52 @@ def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, h
 
 
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_tree_drafts_identical_outputs_and_the_heads_top_k(algo, target, heads):
+    """--speculative-eagle-topk 3: trees of drafts; outputs unchanged, and every tree's first
+    level is the head's most likely tokens (in order) over the target's own hidden states
+    (transformers'), which the core hands back along the accepted path of each tree."""
+    from transformers import AutoModelForCausalLM
+
+    ref = run(Engine(target, max_total_tokens=3000), PROMPTS, PARAMS)
+    engine = eagle_engine(target, algo, heads[algo], speculative_eagle_topk=3,
+                          speculative_num_steps=3, speculative_num_draft_tokens=7)
+    drafter = engine.scheduler.spec.drafter
+    proposals, propose = [], drafter.propose
+
+    def recording(reqs, max_tokens):
+        out = propose(reqs, max_tokens)
+        proposals.extend((r.prompt_ids + r.output_ids, d) for r, d in zip(reqs, out))
+        return out
+
+    drafter.propose = recording
+    got = run(engine, PROMPTS, PARAMS, every_step=lambda e: e.scheduler.check_invariants())
+    assert got == ref
+    st = engine.scheduler.spec.stats
+    assert st.drafted > 50 and st.verify_steps > 10
+    assert_all_free(engine)
+    assert not drafter.state and drafter.pool.free_slots == drafter.pool.size
+    trees = [(seq, d) for seq, d in proposals if d.tokens]
+    assert all(d.parents is not None for _, d in trees)
+    assert any(len(set(d.parents)) < len(d.parents) for _, d in trees)  # it branches
+
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    head, checked = drafter.head, 0
+    for seq, d in trees[::7]:
+        with torch.no_grad():
+            states = hf(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        f = (states[-1][0] if algo == "EAGLE"
+             else torch.cat([states[i + 1][0] for i in AUX], -1))
+        logits, _ = reference_head(heads[algo], target, list(seq[1:]), f,
+                                   f[:0, :head.config.hidden_size])
+        top = logits[-1].topk(3).indices
+        top = (head.d2t[top] if algo == "EAGLE3" else top).tolist()
+        first = [t for t, p in zip(d.tokens, d.parents) if p < 0]
+        assert first == top[:len(first)] and first, (first, top)
+        checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
 def test_a_retraction_storm_keeps_the_invariant_and_the_outputs(algo, target, heads):
     prompts = [ids(i, 20 + i) for i in range(8)]
     params = [{**GREEDY, "max_new_tokens": 30} if i % 2 else
@@ -185,7 +231,11 @@ def test_refusals_say_why(target, heads, tmp_path):
                speculative_draft_model_path=head, **kw)
 
     for kw, msg in [
-        ({"speculative_eagle_topk": 4}, "tree drafts \\(top-k > 1\\) are not verified yet"),
+        ({"speculative_eagle_topk": 17}, "at most 16 branches a level"),
+        ({"speculative_eagle_topk": 2, "speculative_num_steps": 5,
+          "speculative_num_draft_tokens": 4}, "--speculative-num-steps 5 levels need"),
+        ({"speculative_eagle_topk": 2, "page_size": 4}, "--speculative-eagle-topk 2 with "
+                                                         "--page-size 4"),
         ({"speculative_num_steps": 2, "speculative_num_draft_tokens": 5},
          "--speculative-num-steps 2 and --speculative-num-draft-tokens 5 disagree"),
         ({"speculative_ngram_max_match_window_size": 4}, "flags are NGRAM's"),

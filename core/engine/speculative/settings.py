@@ -143,12 +143,14 @@ def spec_settings(config) -> SpecSettings | None:
                         ("--speculative-ngram-max-bfs-breadth",
                          config.speculative_ngram_max_bfs_breadth)):
         _positive(flag, value)
-    if (config.speculative_ngram_max_bfs_breadth or 1) > 1 and (config.page_size or 1) > 1:
-        raise SpecConfigError(
-            f"--speculative-ngram-max-bfs-breadth {config.speculative_ngram_max_bfs_breadth} "
-            f"with --page-size {config.page_size}: a tree of drafts is verified in the request's "
-            f"own slots, rearranged after acceptance, which pages of more than one token do not "
-            f"allow; use --page-size 1 or breadth 1")
+    for flag, value in (("--speculative-ngram-max-bfs-breadth",
+                         config.speculative_ngram_max_bfs_breadth),
+                        ("--speculative-eagle-topk", config.speculative_eagle_topk)):
+        if (value or 1) > 1 and (config.page_size or 1) > 1:
+            raise SpecConfigError(
+                f"{flag} {value} with --page-size {config.page_size}: a tree of drafts is "
+                f"verified in the request's own slots, rearranged after acceptance, which pages "
+                f"of more than one token do not allow; use --page-size 1 or {flag} 1")
     path = _pick("--speculative-draft-model-path", config.speculative_draft_model_path,
                  "--speculative-config model", v.get("model"))
     problem = incompatibility(config)

@@ -15,7 +15,7 @@ stay allocated to it and are overwritten by later steps, so nothing is freed her
 invariant holds.
 
 Trees of drafts (``Draft.parents``: n-gram lookup with ``--speculative-ngram-max-bfs-breadth``
-> 1): each node must attend to the request's sequence and its own ancestors only. Every node
+> 1, the model drafters with ``--speculative-eagle-topk`` > 1): each node must attend to the request's sequence and its own ancestors only. Every node
 becomes a one-token row of its own request-table row, borrowed for the step (a copy of the
 request's row up to its last token, then the slots of the node's ancestors and its own), so
 every attention backend and the CPU graph run it as a decode row of a request whose sequence
@@ -23,6 +23,7 @@ is exactly the node's path. The request's own slots hold the nodes' K/V (its row
 tree's size); round ``j`` samples at the node the request has reached (the root: its last
 token), and a child carrying the sampled token is accepted: the request's row is rewritten so
 that its positions hold the accepted path's slots first (the others after it, still its own).
+A drafter reading hidden states gets the root's and the accepted path's, in position order.
 Only with pages of one token (a page's slots must stay together)."""
 
 from __future__ import annotations
@@ -172,9 +173,8 @@ class SpecDecoder:
         borrowed table row; returns each request's accepted drafts and the forward's rows."""
         pool = s.kv.pool
         table, host = pool.req_to_token, pool.host_table  # (host: the table's CPU mirror)
-        if self.wants_hidden or pool.free_reqs < sum(len(d.tokens) for d in drafts):
-            # (rare) too few spare rows, or a drafter reading hidden states: each tree's
-            # first path, a chain
+        if pool.free_reqs < sum(len(d.tokens) for d in drafts):
+            # (rare) too few spare rows: each tree's first path, a chain
             return self._verify(s, decodes, [_first_path(d).tokens for d in drafts])
         ids, prefix, rows, borrowed = [], [], [], []
         first_row, slots, children = [], [], []
@@ -229,6 +229,12 @@ class SpecDecoder:
                 pool.write_row(r.row, o + 1, own[path + rest])
                 nxt.append(i)
             active, j = nxt, j + 1
+        if self.wants_hidden:  # the root's state and the accepted path's, position by position
+            hidden = self.runner.last_hidden
+            kept = [(r, o, hidden[[first_row[i]] + [first_row[i] + 1 + m for m in path_of[i]]])
+                    for i, (r, o) in enumerate(zip(decodes, old)) if not r.finished]
+            if kept:
+                self.drafter.observe(*map(list, zip(*kept)))
         return [len(p) for p in path_of], len(ids)
 
 

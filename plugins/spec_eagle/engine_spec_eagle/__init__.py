@@ -1,7 +1,7 @@
 """Speculative algorithms 'EAGLE' and 'EAGLE3' (vLLM: methods "eagle", "eagle3"): a draft
-head reading the target's hidden states drafts greedy chains
-(``--speculative-draft-model-path``: an SGLang-format EAGLE / EAGLE3 checkpoint); the core
-verifies them."""
+head reading the target's hidden states drafts greedy chains, or trees with
+``--speculative-eagle-topk`` > 1 (``--speculative-draft-model-path``: an SGLang-format EAGLE /
+EAGLE3 checkpoint); the core verifies them."""
 
 from engine import hookimpl
 
@@ -105,7 +105,9 @@ def _factory(ctx):
     else:
         hidden = ("norm",)
         what = f"EAGLE head of {mc.num_layers} layer{'s' * (mc.num_layers > 1)}"
-    return EagleDrafter(runner, hidden, algo, f"{what} ({s.draft_model_path})")
+    from engine.speculative import tree_shape
+
+    return EagleDrafter(runner, hidden, algo, f"{what} ({s.draft_model_path})", tree_shape(s))
 
 
 @hookimpl

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from engine.interfaces import Draft
-from engine.speculative import PooledDrafter
+from engine.speculative import PooledDrafter, tree_label
 
 
 def _rows(t: torch.Tensor, keep: list[int], n: int) -> torch.Tensor:
@@ -65,14 +65,15 @@ class EagleDrafter(PooledDrafter):
     """Greedy chains of an EAGLE / EAGLE3 head (``runner``: its ModelRunner with its KV pool,
     the model an engine_spec_eagle.heads head sharing the target's embedding)."""
 
-    def __init__(self, runner, hidden_states: tuple, name: str, describe: str):
-        super().__init__(runner)
+    def __init__(self, runner, hidden_states: tuple, name: str, describe: str, tree=None):
+        super().__init__(runner, tree)
         self.head = runner.model
         self.hidden_states = hidden_states
         self.name, self._describe = name, describe
 
     def describe(self) -> str:
-        return f"{self._describe}, its own KV pool of {self.pool.size} tokens"
+        return (f"{self._describe}, its own KV pool of {self.pool.size} tokens"
+                f"{tree_label(self.tree)}")
 
     def observe(self, reqs: list, starts: list[int], hidden: list) -> None:
         for r, start, h in zip(reqs, starts, hidden):
@@ -83,6 +84,13 @@ class EagleDrafter(PooledDrafter):
                     continue
                 st = self.state[r.rid] = _State(row, start)
             st.take(start, h)
+
+    def _top(self, logits: torch.Tensor, k: int) -> tuple[list, list]:
+        """The ``k`` most likely tokens a row, as target ids (EAGLE3's draft vocabulary
+        mapped)."""
+        lp, ids = logits.float().log_softmax(-1).topk(k, dim=-1)
+        to_target = getattr(self.head, "to_target", None)
+        return lp.tolist(), (ids if to_target is None else to_target(ids)).tolist()
 
     def _tokens(self, logits: torch.Tensor) -> torch.Tensor:
         ids = logits.argmax(-1)
@@ -100,7 +108,7 @@ class EagleDrafter(PooledDrafter):
             if st.known != len(seq) - 1:  # the target's states must reach its last token
                 continue
             n = st.known - st.base - st.fed  # positions to catch up
-            if not self._room(st, st.fed + n + k - 1):
+            if not self._room(st, st.fed + n + (0 if self.tree else k - 1)):
                 continue
             first = st.base + st.fed
             ids.append(seq[first + 1: first + 1 + n])  # position p reads token p + 1
@@ -112,10 +120,18 @@ class EagleDrafter(PooledDrafter):
         with torch.inference_mode():
             logits = self.runner.forward(self._catch_up(live, ids, prefix),
                                          hidden=torch.cat(hidden))
-            tokens = self._tokens(logits)
             own = self.head.last_hidden  # row j: the head's state after live[j]'s last entry
             for _, st, _ in live:
                 st.fed, st.pending = st.fed + sum(h.shape[0] for h in st.pending), []
+            if self.tree:  # each node over its parent's own state (the catch-up's: the root)
+                trees = self._tree_drafts(
+                    [st.row for _, st, _ in live], [st.fed for _, st, _ in live], logits, own,
+                    [k for _, _, k in live],
+                    lambda b, h: (self.runner.forward(b, hidden=h), self.head.last_hidden))
+                for (i, _, _), d in zip(live, trees):
+                    out[i] = d
+                return out
+            tokens = self._tokens(logits)
             drafts = [[t] for t in tokens.tolist()]
             lens = [st.fed for _, st, _ in live]  # the next entry of each row
             active = [j for j, (_, _, k) in enumerate(live) if k > 1]
