@@ -162,7 +162,7 @@ GPU_TEST_FILES=$(grep -rlE --include='test_*.py' 'mark\.gpu' tests plugins 2>/de
   tr '\n' ' ')
 # unmarked tests that run on the GPU when torch sees one (on a CPU: Triton's interpreter)
 GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests tests/test_moe_triton.py
-  tests/test_norm_triton.py}
+  tests/test_fused_triton.py}
 GPU_THROUGHPUT_ARGS=${GPU_THROUGHPUT_ARGS:-}
 PYTEST_TIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT="--timeout=120"

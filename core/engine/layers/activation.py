@@ -1,4 +1,4 @@
-"""SiLU-and-mul, and which GPU kernels the small layers use (layers/norm_triton.py).
+"""SiLU-and-mul, and which GPU kernels the small layers use (layers/fused_triton.py).
 
 On CUDA with triton installed, ``RMSNorm`` and ``silu_mul`` run one fused Triton kernel each
 (SGLang's and vLLM's fused ``rmsnorm``/``silu_and_mul``); elsewhere, and with
@@ -16,26 +16,28 @@ import torch.nn.functional as F
 
 NORM_KERNEL_ENV = "ENGINE_NORM_KERNEL"  # "torch": the eager ops on a GPU too
 log = logging.getLogger("engine")
-_ops = None  # layers/norm_triton once imported; False where it cannot be
+_ops = None  # layers/fused_triton once imported; False where it cannot be
 
 
 def gpu_ops():
-    """layers/norm_triton, or None where the eager ops run (asked only for CUDA tensors)."""
+    """layers/fused_triton, or None where the eager ops run (asked only for CUDA tensors)."""
     global _ops
-    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch":
-        return None
+    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch" or torch.compiler.is_compiling():
+        return None  # (under torch.compile the compiler fuses the eager ops itself)
     if _ops is None:
         _ops = False
         if importlib.util.find_spec("triton") is None:
-            log.warning("RMSNorm and SiLU-and-mul run as eager torch ops on the GPU: triton is "
-                        "not installed (pip install triton) for their fused kernels")
+            log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch ops "
+                        "on the GPU: triton is not installed (pip install triton) for their "
+                        "fused kernels")
         else:
             try:
-                import engine.layers.norm_triton as ops
+                import engine.layers.fused_triton as ops
                 _ops = ops
             except Exception as exc:  # noqa: BLE001 (a broken triton install: said once)
-                log.warning("RMSNorm and SiLU-and-mul run as eager torch ops on the GPU: their "
-                            "Triton kernels did not import (%s: %s)", type(exc).__name__, exc)
+                log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch "
+                            "ops on the GPU: their Triton kernels did not import (%s: %s)",
+                            type(exc).__name__, exc)
     return _ops or None
 
 

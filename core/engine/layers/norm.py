@@ -20,6 +20,19 @@ class RMSNorm(nn.Module):
             ops = gpu_ops()
             if ops is not None:
                 return ops.rms_norm(x, self.weight, self.eps)
+        return self.eager(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+        """(this norm of ``residual + x``, ``residual + x``): on CUDA one kernel."""
+        if x.is_cuda and x.shape == residual.shape and x.stride(-1) == residual.stride(-1) == 1:
+            ops = gpu_ops()
+            if ops is not None:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # the same ops without the two casts (a decode step's
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))

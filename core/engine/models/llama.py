@@ -137,8 +137,8 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The residual stream after this layer, from ``x`` and its attention output."""
-        h = x + self.self_attn.output(out)
-        return h + getattr(self, self.ffn_name)(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm.add_forward(self.self_attn.output(out), x)
+        return h + getattr(self, self.ffn_name)(normed)
 
 
 class DecoderModel(nn.Module):

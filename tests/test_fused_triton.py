@@ -1,4 +1,4 @@
-"""The fused RMSNorm and SiLU-and-mul Triton kernels (layers/norm_triton.py) against the eager
+"""The fused RMSNorm and SiLU-and-mul Triton kernels (layers/fused_triton.py) against the eager
 ops they replace on a GPU (layers/norm.py's ``RMSNorm``, ``F.silu(gate) * up``), run on the CPU
 under Triton's interpreter (TRITON_INTERPRET=1: float32 and float16 there); on a CUDA machine
 the same cases run on the GPU, bfloat16 too, and the ``gpu`` test checks that the modules take
@@ -16,12 +16,13 @@ import torch.nn.functional as F
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs the triton package (pip install triton)", allow_module_level=True)
 GPU = torch.cuda.is_available()
-if not GPU:  # before engine.layers.norm_triton imports triton's jit: it reads this when decorating
+if not GPU:  # before engine.layers.fused_triton imports triton's jit: it reads this when decorating
     os.environ["TRITON_INTERPRET"] = "1"
 
 from engine.layers import activation
 from engine.layers.norm import RMSNorm
-from engine.layers.norm_triton import rms_norm, silu_mul
+from engine.layers.fused_triton import add_rms_norm, rms_norm, rotary, silu_mul
+from engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 DEVICE = "cuda" if GPU else "cpu"
@@ -85,6 +86,37 @@ def test_silu_mul_matches_the_eager_ops(dtype, rows, n):
     got, want = silu_mul(gate, up), F.silu(gate) * up
     assert got.dtype == want.dtype and got.shape == want.shape
     assert ulps(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_the_eager_ops(dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 4096 + 64, generator=gen) * 2)[:, :4096].to(DEVICE, dtype)  # strided
+    r = (torch.randn(6, 4096, generator=gen) * 5).to(DEVICE, dtype)
+    w = torch.randn(4096, generator=gen).to(DEVICE, dtype)
+    got, got_h = add_rms_norm(x, r, w, 1e-5)
+    want_h = r + x
+    assert torch.equal(got_h, want_h)  # the residual stream: exactly torch's sum
+    want = eager_norm(want_h, w, 1e-5)
+    assert got.dtype == want.dtype and ulps(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(12, 64), (3, 128), (5, 96)])
+def test_rotary_matches_the_eager_ops(dtype, heads, head_dim):
+    """q and k side by side, viewed out of a wider qkv row (heads strided), as llama.py
+    rotates them."""
+    rope = RotaryEmbedding(head_dim, 512, 10000.0).to(DEVICE)
+    t = 9
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    qkv = torch.randn(t, (heads + 2) * head_dim, generator=gen).to(DEVICE, dtype)
+    x = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    positions = torch.tensor([0, 1, 5, 77, 300, 511, 2, 3, 4], device=DEVICE)
+    cos, sin = rope(positions, dtype)
+    got = rotary(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * cos + torch.cat((x2, x1), dim=-1) * sin  # apply_rotary's eager ops
+    assert got.dtype == want.dtype and ulps(got, want) <= TOL[dtype]
 
 
 @pytest.mark.gpu
