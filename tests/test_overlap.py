@@ -57,6 +57,24 @@ def both(model, prompts, params, **kw):
     return results[0], results[1], engines[1]
 
 
+def test_launching_ahead_gives_the_same_outputs(model, monkeypatch):
+    """What a GPU does (the next forward queued before this batch's tokens are read back),
+    forced on the CPU: greedy with logprobs, seeded n > 1 with penalties, stops and prompts
+    of several chunks give the synchronous scheduler's outputs, and batches did go ahead."""
+    monkeypatch.setenv("ENGINE_OVERLAP_LAUNCH_AHEAD", "1")
+    prompts = [ids(40 + i, 5 + 9 * i) for i in range(6)]
+    params = [{**GREEDY, "max_new_tokens": 6 + 4 * i, "logprobs": i % 2 == 1,
+               "top_logprobs": 2 * (i % 2)}
+              if i % 3 else
+              {"temperature": 0.9, "seed": i, "n": 2, "frequency_penalty": 0.5,
+               "max_new_tokens": 14, "ignore_eos": True, "stop_token_ids": [7]}
+              for i in range(6)]
+    sync, overlap, engine = both(model, prompts, params, chunked_prefill_size=16)
+    assert overlap == sync
+    assert engine.scheduler.overlap.launch_ahead
+    assert engine.scheduler.overlap.launched_ahead >= 5
+
+
 def test_greedy_outputs_and_logprobs_are_identical(model):
     prompts = [ids(i, 5 + 3 * i) for i in range(6)]
     params = [{**GREEDY, "max_new_tokens": 4 + 5 * i, "logprobs": i % 2 == 1,

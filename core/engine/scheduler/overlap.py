@@ -16,6 +16,13 @@ Outputs are those of the synchronous scheduler, because:
   in-flight batch is drained and a synchronous step runs (it retracts as usual).
 A request whose pending token is its last (max_new_tokens) gets no extra row.
 
+On a GPU the worker launches ahead: having queued batch N's sampling it takes batch N+1 (the
+scheduler submits it before collecting N) and queues its forward, the placeholders filled from
+N's tokens on the device, before it reads N's tokens back, so the GPU runs N+1 right after N
+instead of idling while the host reads, commits and launches (SGLang's overlap does the same
+with its future token ids). N+1 is still sampled only after N is committed.
+``ENGINE_OVERLAP_LAUNCH_AHEAD=1`` forces it on a CPU (the tests: same outputs), ``=0`` off.
+
 With HiCache (engine/hicache/tree.py) a prefix is inserted into the radix tree when its batch
 is submitted, before the worker writes its K/V: the tree numbers the batches
 (``batch_submitted``), copies a node to the host tier only once the scheduler has seen its
@@ -25,8 +32,10 @@ back into freed slots), waits for the batch in flight through ``fence``.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +73,27 @@ class Job:
     error: BaseException | None = None
     ready: "torch.cuda.Event | None" = None  # on a GPU: the batch's inputs are on the device
     seq: int = 0  # HiCache: the batch's number in the tree (its K/V written when it is done)
+    launched: bool = False  # the worker ran (on a GPU: queued) its forward
+    logits: "torch.Tensor | None" = None  # the forward's, until sampled
+    out: object = None  # the sampler's output, until read back
 
     @property
     def sampled(self) -> set[Req]:
         return {self.reqs[i] for i in self.sample}
+
+
+LAUNCH_AHEAD_ENV = "ENGINE_OVERLAP_LAUNCH_AHEAD"  # 1 / 0: force it on or off (default: a GPU)
+LAUNCH_AHEAD_POLL_S = 20e-6
+LAUNCH_AHEAD_CPU_WAIT_S = 0.05  # forced on a CPU, where no event says the tokens are ready
+
+
+def launch_ahead_default(device: torch.device) -> bool:
+    """Launching the next forward before reading back this batch's tokens pays where the
+    forward is queued (a GPU); on a CPU it would run the whole next forward first."""
+    forced = os.environ.get(LAUNCH_AHEAD_ENV)
+    if forced is not None:
+        return forced == "1"
+    return device.type == "cuda"
 
 
 class OverlapSchedule:
@@ -82,6 +108,8 @@ class OverlapSchedule:
         # waits for each batch's inputs through an event recorded after they were issued
         device = scheduler.kv.pool.req_to_token.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.launch_ahead = launch_ahead_default(device)
+        self.launched_ahead = 0  # batches whose forward went ahead of the previous read-back
         cache = scheduler.kv.cache
         self.tree = cache if hasattr(cache, "batch_submitted") else None  # HiCache
         if self.tree is not None:
@@ -205,24 +233,70 @@ class OverlapSchedule:
 
     # -- the worker thread -----------------------------------------------------------------------
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        job = self._jobs.get()
+        while job is not None:
+            nxt = None
             try:
-                if self.stream is None:
-                    self._run(job)
-                else:
-                    with torch.cuda.stream(self.stream):
-                        self.stream.wait_event(job.ready)
-                        self._run(job)
+                with self._on_stream():
+                    if job.error is None:  # (a launch ahead may have failed it already)
+                        if job.logits is None and not job.launched:
+                            self._launch(job)
+                        self._sample(job)
+                        if self.launch_ahead:
+                            nxt = self._next_job(job)
+                        self._finish(job)
             except BaseException as e:  # handed to the scheduler thread, which raises it
                 job.error = e
             finally:
                 job.prev = None  # done with it (and no chain of every batch ever run)
                 job.done.set()
+            if nxt is self._STOP:
+                return
+            job = nxt if nxt is not None else self._jobs.get()
 
-    def _run(self, job: Job) -> None:
+    _STOP = object()
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else _nothing()
+
+    def _next_job(self, job: Job):
+        """Launch ahead (a GPU): the next batch's forward queued behind ``job``'s sampling
+        before ``job``'s tokens are read back, so the GPU never waits for the host between
+        them (the scheduler submits the next batch before it collects this one). Waits for it
+        until ``job``'s tokens are ready; returns it launched (its error kept in it), None
+        when none came in time, or _STOP."""
+        if job.next_ids is None:
+            return None
+        sampled = torch.cuda.Event() if self.stream is not None else None
+        if sampled is not None:
+            sampled.record(self.stream)
+        deadline = time.monotonic() + LAUNCH_AHEAD_CPU_WAIT_S  # (forced on a CPU: the tests)
+        while True:
+            try:
+                nxt = self._jobs.get_nowait()
+                break
+            except queue.Empty:
+                if sampled.query() if sampled is not None else time.monotonic() > deadline:
+                    return None
+                time.sleep(LAUNCH_AHEAD_POLL_S)
+        if nxt is None:
+            return self._STOP
+        self.launched_ahead += 1
+        try:
+            self._launch(nxt)
+        except BaseException as e:  # that batch's own failure, raised at its collection
+            nxt.error = e
+        return nxt
+
+    def _launch(self, job: Job) -> None:
+        """The batch's forward: the placeholders filled in from the previous batch's tokens
+        (on the device), then the model (queued on a GPU)."""
+        job.launched = True
         prev = job.prev
         if prev is not None and prev.error is not None:
             raise RuntimeError(f"the previous batch failed: {prev.error}")
+        if self.stream is not None:
+            self.stream.wait_event(job.ready)
         if job.placeholders:
             dst, src = [], []
             for i, r in job.placeholders:
@@ -235,20 +309,42 @@ class OverlapSchedule:
                 ids[long_tensor(dst, ids.device)] = prev.next_ids[
                     long_tensor(src, prev.next_ids.device)].to(ids.device, ids.dtype)
         if job.all_logits:  # the prompt logprobs asked for (echo): every position's logits
-            logits = record(self.s.runner.forward(job.batch, return_all_logits=True),
-                            job.batch, job.reqs)
+            job.logits = record(self.s.runner.forward(job.batch, return_all_logits=True),
+                                job.batch, job.reqs)
         else:
-            logits = self.s.runner.forward(job.batch)
-        if prev is not None:  # the previous batch's tokens appended, its finished known
+            job.logits = self.s.runner.forward(job.batch)
+
+    def _sample(self, job: Job) -> None:
+        """Once the previous batch's tokens are appended and its finished known: the rows of
+        the requests still running sampled (queued on a GPU: ``next_ids`` on the device)."""
+        prev = job.prev
+        if prev is not None:
             prev.processed.wait()
+        logits, job.logits = job.logits, None
         sample = [i for i in job.sample if job.reqs[i].status is Status.RUNNING]
         if not sample:
             return
         rows = [job.reqs[i] for i in sample]
         out = self.s.sample(logits, sample, rows)
+        job.out = out
         job.next_ids = out.next_token_ids
-        job.tokens = out.next_token_ids.tolist()  # the worker's device sync
-        job.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        job.top_logprobs = out.top_logprobs
         job.position = {r: k for k, r in enumerate(rows)}
         job.rows = rows
+
+    @staticmethod
+    def _finish(job: Job) -> None:
+        """The sampled tokens read back (the worker's device sync)."""
+        out, job.out = job.out, None
+        if out is None:
+            return
+        job.tokens = out.next_token_ids.tolist()
+        job.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        job.top_logprobs = out.top_logprobs
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
