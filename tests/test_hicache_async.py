@@ -63,6 +63,20 @@ def evicted_to_host(engine, p):
     return r.output_ids
 
 
+def wait_for(engine, waiter, other, check=lambda: True):
+    """Step while ``waiter`` waits for its load: (steps waited, ``other``'s new tokens each
+    step); ``check`` holds at every step it waited."""
+    waited, progress = 0, []
+    while waiter.status is Status.WAITING:
+        before = len(other.output_ids)
+        step_checked(engine)
+        if waiter.status is Status.WAITING:
+            waited += 1
+            progress.append(len(other.output_ids) - before)
+            assert check()
+    return waited, progress
+
+
 def decoding(engine, p):
     """``p`` admitted and decoding (LONG)."""
     [r] = engine.add_request(p, LONG)
@@ -81,14 +95,8 @@ def test_a_host_load_waits_while_the_batch_decodes(model, reference):
     host_before = kv.stats.hits["host"]
 
     [waiter] = engine.add_request(a, GREEDY)
-    waited, progress = 0, []
-    while waiter.status is Status.WAITING:
-        before = len(other.output_ids)
-        step_checked(engine)
-        if waiter.status is Status.WAITING:
-            waited += 1
-            progress.append(len(other.output_ids) - before)
-            assert waiter.rid in kv.loads and tree.copies_in_flight
+    waited, progress = wait_for(engine, waiter, other, lambda: waiter.rid in kv.loads
+                                and tree.copies_in_flight)
     assert waited >= DELAY - 1 and all(n == 1 for n in progress), (waited, progress)
     assert waiter.rid not in kv.loads
     run_checked(engine, [waiter, other])
@@ -120,13 +128,7 @@ def test_a_stored_prefix_goes_through_the_host_tier_and_waits_like_a_host_load(
     moved = dict(kv.stats.bytes)
 
     [waiter] = engine.add_request(a, GREEDY)
-    waited, progress = 0, []
-    while waiter.status is Status.WAITING:
-        before = len(other.output_ids)
-        step_checked(engine)
-        if waiter.status is Status.WAITING:
-            waited += 1
-            progress.append(len(other.output_ids) - before)
+    waited, progress = wait_for(engine, waiter, other)
     assert waited >= DELAY - 1 and all(n == 1 for n in progress), (waited, progress)
     run_checked(engine, [waiter, other])
     assert waiter.output_ids == ref_a and other.output_ids == ref_b

@@ -15,6 +15,7 @@ from engine.interfaces import Draft, Drafter
 from engine.registry import UnknownName
 from engine.server.process import ServerProcess
 from engine.speculative.policy import PROBE_EVERY, DraftPolicy
+from engine_testing.generation import record_proposals
 from engine_testing.generation import run_requests as run
 from engine_testing.generation import verify_every_draft as draft_everything
 from engine_testing.invariants import assert_all_free
@@ -338,32 +339,28 @@ def standalone(model, draft, **kw):
                                              "speculative_draft_model_path": draft, **kw}))
 
 
+DRAFT_PROMPTS = [ids(60 + i, 8 + 5 * i) for i in range(4)]
+DRAFT_PARAMS = [{**GREEDY, "max_new_tokens": 24},
+                {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True},
+                {**GREEDY, "max_new_tokens": 16, "logprobs": True, "top_logprobs": 2,
+                 "frequency_penalty": 0.5},
+                {**GREEDY, "max_new_tokens": 30}]
+
+
 def test_draft_model_trees_give_identical_outputs(model, tiny_model_factory):
     """--speculative-eagle-topk 3: each request's draft is a tree (S levels of the 3 most
     likely branches); every node's token is among its parent's 3 most likely next tokens of
     the draft model (checked against the draft model alone, each node's path fed whole), the
     most likely first; the target's outputs unchanged, with the target as its own draft every
     greedy step accepting its whole best path."""
-    prompts = [ids(60 + i, 8 + 5 * i) for i in range(4)]
-    params = [{**GREEDY, "max_new_tokens": 24},
-              {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True},
-              {**GREEDY, "max_new_tokens": 16, "logprobs": True, "top_logprobs": 2,
-               "frequency_penalty": 0.5},
-              {**GREEDY, "max_new_tokens": 30}]
+    prompts, params = DRAFT_PROMPTS, DRAFT_PARAMS
     ref = run(Engine(model, max_total_tokens=4000), prompts, params)
     other = tiny_model_factory("llama", num_hidden_layers=1, seed=7)
     for draft, least in ((model, 2.0), (other, 1.0)):
         engine = standalone(model, draft, speculative_eagle_topk=3, speculative_num_steps=3,
                             speculative_num_draft_tokens=7)
         drafter = engine.scheduler.spec.drafter
-        proposals, propose = [], drafter.propose
-
-        def recording(reqs, max_tokens, propose=propose, proposals=proposals):
-            out = propose(reqs, max_tokens)
-            proposals.extend((r.prompt_ids + r.output_ids, d) for r, d in zip(reqs, out))
-            return out
-
-        drafter.propose = recording
+        proposals = record_proposals(drafter)
         got = run(engine, prompts, params, every_step=lambda e: e.scheduler.check_invariants())
         assert got == ref
         assert engine.scheduler.spec.stats.accept_length >= least
@@ -392,12 +389,7 @@ def test_draft_model_trees_give_identical_outputs(model, tiny_model_factory):
 
 
 def test_a_draft_model_gives_identical_outputs(model, tiny_model_factory):
-    prompts = [ids(60 + i, 8 + 5 * i) for i in range(4)]
-    params = [{**GREEDY, "max_new_tokens": 24},
-              {"temperature": 0.8, "seed": 3, "max_new_tokens": 20, "ignore_eos": True},
-              {**GREEDY, "max_new_tokens": 16, "logprobs": True, "top_logprobs": 2,
-               "frequency_penalty": 0.5},
-              {**GREEDY, "max_new_tokens": 30}]
+    prompts, params = DRAFT_PROMPTS, DRAFT_PARAMS
     ref = run(Engine(model, max_total_tokens=4000), prompts, params)
     # the target as its own draft: greedy drafts all accepted (where the target samples
     # greedily); a different small model: mostly rejected. Both give the target's outputs.

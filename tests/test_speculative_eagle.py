@@ -11,6 +11,7 @@ import torch
 from engine import Engine
 from engine.errors import EngineError
 from engine_testing.eagle_heads import reference_head, write_eagle_head
+from engine_testing.generation import record_proposals
 from engine_testing.generation import run_requests as run
 from engine_testing.generation import verify_every_draft
 from engine_testing.invariants import assert_all_free
@@ -59,14 +60,7 @@ def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, h
     ref = run(Engine(target, max_total_tokens=3000), PROMPTS, PARAMS)
     engine = eagle_engine(target, algo, heads[algo])
     drafter = engine.scheduler.spec.drafter
-    proposals, propose = [], drafter.propose
-
-    def recording(reqs, max_tokens):
-        out = propose(reqs, max_tokens)
-        proposals.extend((r.prompt_ids + r.output_ids, d.tokens) for r, d in zip(reqs, out))
-        return out
-
-    drafter.propose = recording
+    proposals = record_proposals(drafter)
     got = run(engine, PROMPTS, PARAMS, every_step=lambda e: e.scheduler.check_invariants())
     assert got == ref
     st = engine.scheduler.spec.stats
@@ -79,7 +73,7 @@ def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, h
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     head = drafter.head
     checked = 0
-    for seq, draft in proposals[::7]:
+    for seq, draft in ((seq, d.tokens) for seq, d in proposals[::7]):
         if not draft:
             continue
         with torch.no_grad():
@@ -110,14 +104,7 @@ def test_tree_drafts_identical_outputs_and_the_heads_top_k(algo, target, heads):
     engine = eagle_engine(target, algo, heads[algo], speculative_eagle_topk=3,
                           speculative_num_steps=3, speculative_num_draft_tokens=7)
     drafter = engine.scheduler.spec.drafter
-    proposals, propose = [], drafter.propose
-
-    def recording(reqs, max_tokens):
-        out = propose(reqs, max_tokens)
-        proposals.extend((r.prompt_ids + r.output_ids, d) for r, d in zip(reqs, out))
-        return out
-
-    drafter.propose = recording
+    proposals = record_proposals(drafter)
     got = run(engine, PROMPTS, PARAMS, every_step=lambda e: e.scheduler.check_invariants())
     assert got == ref
     st = engine.scheduler.spec.stats

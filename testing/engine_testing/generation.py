@@ -94,3 +94,17 @@ def verify_every_draft(engine):
     verified (tests of the verify path want drafts, whatever they would cost)."""
     engine.scheduler.spec.policy.lengths = lambda reqs, drafts: [len(d.tokens) for d in drafts]
     return engine
+
+
+def record_proposals(drafter) -> list:
+    """Wrap ``drafter.propose`` to keep every proposal: a list of (the request's sequence,
+    its Draft), filled as the engine runs."""
+    proposals, propose = [], drafter.propose
+
+    def recording(reqs, max_tokens):
+        out = propose(reqs, max_tokens)
+        proposals.extend((r.prompt_ids + r.output_ids, d) for r, d in zip(reqs, out))
+        return out
+
+    drafter.propose = recording
+    return proposals

@@ -146,21 +146,20 @@ def read_sources(pool, host, sources: list) -> tuple[list, list]:
 def write_page_host(host, page, off: int, rows: torch.Tensor) -> int:
     """A storage page's K/V from its position ``off`` on into the host slots ``rows``; the
     bytes moved."""
-    moved = 0
-    for bufs, tensors in ((host.k, page.k), (host.v, page.v)):
-        for buf, t in zip(bufs, tensors):
-            buf.index_copy_(0, rows, t[off:].to(buf.dtype))
-            moved += t[off:].numel() * t.element_size()
-    return moved
+    return _put_page(host.k, host.v, page, off, rows)
 
 
 def load_page(pool, page, off: int, rows: torch.Tensor) -> int:
     """A storage page's K/V from its position ``off`` on into the device slots ``rows``
     (int64, on the pool's device); the bytes moved."""
+    return _put_page(pool.k_buffer, pool.v_buffer, page, off, rows)
+
+
+def _put_page(ks: list, vs: list, page, off: int, rows: torch.Tensor) -> int:
     moved = 0
-    for bufs, tensors in ((pool.k_buffer, page.k), (pool.v_buffer, page.v)):
+    for bufs, tensors in ((ks, page.k), (vs, page.v)):
         for buf, t in zip(bufs, tensors):
-            buf.index_copy_(0, rows, t[off:].to(buf.device))
+            buf.index_copy_(0, rows, t[off:].to(buf.device, buf.dtype))
             moved += t[off:].numel() * t.element_size()
     return moved
 
