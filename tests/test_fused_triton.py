@@ -6,18 +6,16 @@ the kernels there and that ``ENGINE_NORM_KERNEL=torch`` turns them off."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("needs the triton package (pip install triton)", allow_module_level=True)
-GPU = torch.cuda.is_available()
-if not GPU:  # before engine.layers.fused_triton imports triton's jit: it reads this when decorating
-    os.environ["TRITON_INTERPRET"] = "1"
+from engine_testing.triton_device import triton_device
+
+DEVICE = triton_device()  # before the kernels' module is imported (the interpreter)
+GPU = DEVICE == "cuda"
 
 from engine.layers import activation
 from engine.layers.norm import RMSNorm
@@ -25,7 +23,6 @@ from engine.layers.fused_triton import add_rms_norm, rms_norm, rotary, silu_mul
 from engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-DEVICE = "cuda" if GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])
 
 

@@ -7,17 +7,14 @@ log's line names and why. On a CUDA machine the ``gpu`` test runs the same on th
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("needs the triton package (pip install triton)", allow_module_level=True)
-GPU = torch.cuda.is_available()
-if not GPU:  # before engine.layers.moe_triton imports triton's jit: it reads this when decorating
-    os.environ["TRITON_INTERPRET"] = "1"
+from engine_testing.triton_device import triton_device
+
+DEVICE = triton_device()  # before the kernels' module is imported (the interpreter)
+GPU = DEVICE == "cuda"
 
 from engine.layers.moe import AbsentExpert, Expert, SparseMoE
 from engine.layers.moe_align import max_entries, moe_align_block_size
@@ -25,7 +22,6 @@ from engine.layers.moe_fused import MOE_KERNEL_ENV, fuse_layer, fuse_moe_layers,
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-DEVICE = "cuda" if GPU else "cpu"
 # float16: max |fused - loop| <= HALF_TOL * max(1, max |loop|). Both round the gate_up output
 # and the SiLU-and-mul to float16; the loop also rounds each expert's down output and its
 # weighted product to float16 before the float32 sum, the kernel keeps them float32 (measured

@@ -53,12 +53,12 @@ PARAMS = [{**GREEDY, "max_new_tokens": 24},
            "ignore_eos": True}]
 
 
-@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
-def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, heads):
-    from transformers import AutoModelForCausalLM
-
+def drafted_run(target, algo, head, **kw):
+    """PROMPTS with PARAMS drafted by ``head`` (every draft verified): the outputs of decoding
+    without drafts, drafts verified, every row and slot of the head's pool back; returns
+    (engine, drafter, every (sequence, Draft) proposed)."""
     ref = run(Engine(target, max_total_tokens=3000), PROMPTS, PARAMS)
-    engine = eagle_engine(target, algo, heads[algo])
+    engine = eagle_engine(target, algo, head, **kw)
     drafter = engine.scheduler.spec.drafter
     proposals = record_proposals(drafter)
     got = run(engine, PROMPTS, PARAMS, every_step=lambda e: e.scheduler.check_invariants())
@@ -67,6 +67,14 @@ def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, h
     assert st.drafted > 50 and st.verify_steps > 10
     assert_all_free(engine)
     assert not drafter.state and drafter.pool.free_slots == drafter.pool.size  # all released
+    return engine, drafter, proposals
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_outputs_identical_and_drafts_are_the_heads_greedy_chain(algo, target, heads):
+    from transformers import AutoModelForCausalLM
+
+    engine, drafter, proposals = drafted_run(target, algo, heads[algo])
     assert engine.runner.cpu_graph is None  # the target's forwards ran eagerly
 
     # each draft is the head's greedy chain over the target's own hidden states (transformers')
@@ -100,17 +108,9 @@ def test_tree_drafts_identical_outputs_and_the_heads_top_k(algo, target, heads):
     (transformers'), which the core hands back along the accepted path of each tree."""
     from transformers import AutoModelForCausalLM
 
-    ref = run(Engine(target, max_total_tokens=3000), PROMPTS, PARAMS)
-    engine = eagle_engine(target, algo, heads[algo], speculative_eagle_topk=3,
-                          speculative_num_steps=3, speculative_num_draft_tokens=7)
-    drafter = engine.scheduler.spec.drafter
-    proposals = record_proposals(drafter)
-    got = run(engine, PROMPTS, PARAMS, every_step=lambda e: e.scheduler.check_invariants())
-    assert got == ref
-    st = engine.scheduler.spec.stats
-    assert st.drafted > 50 and st.verify_steps > 10
-    assert_all_free(engine)
-    assert not drafter.state and drafter.pool.free_slots == drafter.pool.size
+    engine, drafter, proposals = drafted_run(target, algo, heads[algo],
+                                             speculative_eagle_topk=3, speculative_num_steps=3,
+                                             speculative_num_draft_tokens=7)
     trees = [(seq, d) for seq, d in proposals if d.tokens]
     assert all(d.parents is not None for _, d in trees)
     assert any(len(set(d.parents)) < len(d.parents) for _, d in trees)  # it branches
