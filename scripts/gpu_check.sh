@@ -23,7 +23,7 @@
 # --rehearse (a CPU machine, for this script's own plumbing): every step runs, on the CPU and small
 # (--device cpu, a tiny model; pytest's gpu tests skip, cuda_graphs.py says it needs CUDA).
 # Environment: PYTHON (default python3), GPU_KIT (default .gpu-kit), GPU_THROUGHPUT_ARGS (more
-# arguments for step (e), e.g. "--profile 20"), GPU_PYTEST_ARGS (more for step (a)'s pytest, e.g.
+# arguments for step (e); default "--overlap --profile 10", empty for none), GPU_PYTEST_ARGS (more for step (a)'s pytest, e.g.
 # "-n 8" with pytest-xdist), GPU_DEVICE_TESTS (step (a)'s unmarked files).
 set -u
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 # the steps in the order they run, and the longest each may take (then cut to what is left)
-T_B=100 T_E=170 T_D=70 T_A=160 T_C=150
+T_B=100 T_E=170 T_D=70 T_A=300 T_C=150
 case "$PART" in
   1) STEPS="b e c" T_C=240 ;;
   2) STEPS="d a" T_A=420 ;;
@@ -163,7 +163,8 @@ GPU_TEST_FILES=$(grep -rlE --include='test_*.py' 'mark\.gpu' tests plugins 2>/de
 # unmarked tests that run on the GPU when torch sees one (on a CPU: Triton's interpreter)
 GPU_DEVICE_TESTS=${GPU_DEVICE_TESTS:-plugins/attention_triton/tests tests/test_moe_triton.py
   tests/test_fused_triton.py}
-GPU_THROUGHPUT_ARGS=${GPU_THROUGHPUT_ARGS:-}
+# (e) also measures the overlap scheduler at batch 1 and profiles 10 steps a batch size
+GPU_THROUGHPUT_ARGS=${GPU_THROUGHPUT_ARGS---overlap --profile 10}
 PYTEST_TIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT="--timeout=120"
 PYTEST="$PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors $PYTEST_TIMEOUT \
