@@ -6,8 +6,9 @@ and takes float32, with and without CUDA graphs. bfloat16 (backends that take it
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
 Then, float32 without graphs: a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA) on every backend that
 takes them (on CUDA their MoE layers must run the fused Triton kernel: each case records the
-start log's MoE line as ``moe_path``), and the Llama with speculative decoding (NGRAM, every
-draft verified) on each backend, graphs on: their tokens must equal HF's too.
+start log's MoE line as ``moe_path``), the Qwen3-MoE again with its decode steps in CUDA graphs
+(a backend that can be captured must capture it), and the Llama with speculative decoding
+(NGRAM, every draft verified) on each backend, graphs on: their tokens must equal HF's too.
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
 
@@ -174,6 +175,8 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
         path = make_tiny_model(tempfile.mkdtemp(prefix="gpu-greedy-"), arch,
                                initializer_range=0.08, **overrides)
         models[arch] = (path, prompts, hf_greedy(path, prompts, "float32", args))
+        if arch == "Qwen3MoeForCausalLM":  # its decode steps captured (the fused MoE kernel)
+            models[arch + "+graphs"] = models[arch]
     cases = []
     for name, (path, inputs, ref) in models.items():
         for entry in regs.attention:
@@ -181,13 +184,14 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
                     not takes_dtype(entry, "float32"):
                 continue
             spec = name.endswith("+NGRAM")
-            case = {"backend": entry.name, "dtype": "float32", "cuda_graphs": spec,
+            graphs = spec or name.endswith("+graphs")
+            case = {"backend": entry.name, "dtype": "float32", "cuda_graphs": graphs,
                     "model": name}
             t0 = time.perf_counter()
             try:
                 engine = Engine(path, device=args.device, dtype="float32",
                                 attention_backend=entry.name, max_total_tokens=4096,
-                                disable_cuda_graph=not spec, cuda_graph_max_bs=4,
+                                disable_cuda_graph=not graphs, cuda_graph_max_bs=4,
                                 **({"speculative_algorithm": "NGRAM"} if spec else {}))
                 if not takes_model(entry, engine.runner.model_config):
                     continue
@@ -205,6 +209,10 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
                     if device.is_cuda and "fused Triton kernel" not in moe:
                         case["status"] = "fail"
                         case["error"] = f"the MoE layers did not take the fused path: {moe}"
+                if graphs and device.is_cuda and engine.runner.cuda_graphs is None and \
+                        entry.name != "torch_native":
+                    case["status"] = "fail"
+                    case["error"] = f"no decode graphs captured: {engine.cuda_graph}"
                 if spec:
                     case["accept_length"] = round(engine.scheduler.spec.stats.accept_length, 2)
                 del engine

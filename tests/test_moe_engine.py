@@ -183,10 +183,10 @@ def test_graphs_say_why_they_are_off(moe_dir, make_runner):
     gpu = DeviceInfo("cuda", "H100", (9, 0), native_bf16=True)
     line = capture_decode_graphs(runner, EngineConfig(), gpu,
                                  SimpleNamespace(cuda_graph_max_bs=8), "triton")
-    assert line == ("cuda graph: off (MoE layers read their per-expert token counts on the "
-                    "host, which a captured graph cannot (the fused GPU MoE kernel is issue "
-                    "31's later part))")
-    with pytest.raises(GraphUnsupported, match="per-expert token counts"):
+    assert line == ("cuda graph: off (MoE layers on the per-expert loop read their per-expert "
+                    "token counts on the host, which a captured graph cannot (the fused Triton "
+                    "kernel, on CUDA with triton, runs inside graphs))")
+    with pytest.raises(GraphUnsupported, match="not captured in piecewise CUDA graphs yet"):
         runner.init_piecewise_cuda_graphs(64, graph_cls=EagerGraph)
     with pytest.raises(GraphUnsupported, match="MoE layers have no CPU graph nodes yet"):
         runner.init_cpu_graph(8)

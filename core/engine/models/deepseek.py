@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.errors import EngineError
+from engine.interfaces import GraphUnsupported
 from engine.layers.mla import MLAttention
 from engine.layers.moe import Expert, SparseMoE
 from engine.layers.moe_routing import GroupedTopKRouter
@@ -114,6 +115,9 @@ class DeepseekForCausalLM(ExpertsForCausalLM):
     layer_cls = DeepseekDecoderLayer
     cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
     cpu_graph_reason = CPU_GRAPH_REASON
+
+    def piecewise_parts(self):
+        raise GraphUnsupported(CUDA_GRAPH_REASON)
     parallel_problem = staticmethod(parallel_problem)
 
     def check_config(self, config: ModelConfig) -> None:

@@ -15,9 +15,10 @@ checkpoint tensors of experts another rank holds are never read (``other_rank_te
 With ``--pp-size`` a stage holds its layers (llama.py's stages; each layer sparse or dense by
 its index in the model).
 
-Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA
-graphs (the expert loop reads its per-expert counts on the host), the CPU graph (no MoE node
-yet)."""
+Decode steps run in CUDA graphs where every sparse layer takes the fused Triton kernel (CUDA
+with triton: no host sync, every launch size an upper bound); the per-expert loop reads its
+counts on the host, so a model on it is not captured (the start line says why). Not yet, each
+refused with its reason: piecewise CUDA graphs, the CPU graph (no MoE node yet)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ LAYOUTS = {
     "MixtralForCausalLM": MoELayout("block_sparse_moe", ("w1", "w3", "w2"), True),
 }
 
-CUDA_GRAPH_REASON = ("MoE layers read their per-expert token counts on the host, which a "
-                     "captured graph cannot (the fused GPU MoE kernel is issue 31's later part)")
+CUDA_GRAPH_REASON = ("MoE layers on the per-expert loop read their per-expert token counts on "
+                     "the host, which a captured graph cannot (the fused Triton kernel, on CUDA "
+                     "with triton, runs inside graphs)")
+PIECEWISE_REASON = "MoE models' prompts are not captured in piecewise CUDA graphs yet"
 
 
 def parallel_problem(config: ModelConfig, tp_size: int, ep_size: int = 1) -> str | None:
@@ -92,7 +95,7 @@ class ExpertsForCausalLM(LlamaForCausalLM):
     ranks' experts left unread by the loader, no graphs (each says why)."""
 
     supports_pp = True  # a stage's layers, named by their global index (llama.py)
-    cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
+    unfused_graph_reason = CUDA_GRAPH_REASON
     cpu_graph_reason = "MoE layers have no CPU graph nodes yet"
     parallel_problem = staticmethod(parallel_problem)
 
@@ -114,8 +117,16 @@ class ExpertsForCausalLM(LlamaForCausalLM):
         """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""
         return self.other_stage_tensor(name) or held_elsewhere(self.experts_placement, name)
 
+    @property
+    def cuda_graph_unsupported(self) -> str | None:
+        """Why decode steps are not captured (capture_decode_graphs says it and goes on): None
+        once every sparse layer is on the fused kernel (the runner fuses them at start)."""
+        layers = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        return None if layers and all(m.fused is not None for m in layers) else \
+            self.unfused_graph_reason
+
     def piecewise_parts(self):
-        raise GraphUnsupported(self.cuda_graph_unsupported)
+        raise GraphUnsupported(PIECEWISE_REASON)
 
     def cpu_graph(self, g):
         raise GraphUnsupported(self.cpu_graph_reason)
