@@ -6,8 +6,8 @@ and takes float32, with and without CUDA graphs. bfloat16 (backends that take it
 reported as agreement with HF's bfloat16 greedy (informational: rounding may flip a near tie).
 Then, float32 without graphs: a tiny Qwen3-MoE and a tiny DeepSeek-V3 (MLA) on every backend that
 takes them (on CUDA their MoE layers must run the fused Triton kernel: each case records the
-start log's MoE line as ``moe_path``), the Qwen3-MoE again with its decode steps in CUDA graphs
-(a backend that can be captured must capture it), and the Llama with speculative decoding
+start log's MoE line as ``moe_path``), both again with their decode steps in CUDA graphs (a
+backend that can be captured must capture them), and the Llama with speculative decoding
 (NGRAM, every draft verified) on each backend, graphs on: their tokens must equal HF's too.
 
     python scripts/gpu_greedy.py --json OUT.json [--device cuda] [--new-tokens 16] [--backends a,b]
@@ -175,8 +175,7 @@ def model_cases(args, device, regs, wanted, prompts, llama_path) -> list[dict]:
         path = make_tiny_model(tempfile.mkdtemp(prefix="gpu-greedy-"), arch,
                                initializer_range=0.08, **overrides)
         models[arch] = (path, prompts, hf_greedy(path, prompts, "float32", args))
-        if arch == "Qwen3MoeForCausalLM":  # its decode steps captured (the fused MoE kernel)
-            models[arch + "+graphs"] = models[arch]
+        models[arch + "+graphs"] = models[arch]  # decode steps captured (the fused MoE kernel)
     cases = []
     for name, (path, inputs, ref) in models.items():
         for entry in regs.attention:

@@ -235,8 +235,8 @@ def test_graphs_and_parallelism_say_why_they_are_off(ds_dir, make_runner):
     gpu = DeviceInfo("cuda", "H100", (9, 0), native_bf16=True)
     line = capture_decode_graphs(runner, EngineConfig(), gpu,
                                  SimpleNamespace(cuda_graph_max_bs=8), "torch_native")
-    assert line.startswith("cuda graph: off (DeepSeek models are not captured yet: MoE layers")
-    with pytest.raises(GraphUnsupported, match="MLA decode steps have not run in a captured"):
+    assert line.startswith("cuda graph: off (DeepSeek's MoE layers on the per-expert loop")
+    with pytest.raises(GraphUnsupported, match="not captured in piecewise CUDA graphs yet"):
         runner.init_piecewise_cuda_graphs(64, graph_cls=EagerGraph)
     with pytest.raises(GraphUnsupported, match="MLA attention and MoE layers have no CPU graph"):
         runner.init_cpu_graph(8)

@@ -198,19 +198,23 @@ def test_fused_on_cuda_equals_the_per_expert_path(tokens, dtype):
     assert (got - expected).abs().max().item() <= tol * scale
 
 
-def test_decode_graphs_capture_a_fused_moe_model(tiny_model_factory, registries, monkeypatch):
-    """A Qwen3-MoE whose sparse layers all take the fused kernel is captured: every decode step
+@pytest.mark.parametrize("case", ["qwen3", "deepseek_v3"])
+def test_decode_graphs_capture_a_fused_moe_model(case, tiny_model_factory, registries,
+                                                 monkeypatch):
+    """A Qwen3-MoE or DeepSeek-V3 (MLA on the triton backend: the one MLA backend that runs in
+    a graph) whose sparse layers all take the fused kernel is captured: every decode step
     replays a graph of 1, 2 or 4 requests (one padding row routed like any token) and the
     greedy tokens equal HF's (on a CPU: the kernel under the interpreter, the EagerGraph
     stand-in re-running the forward over the graph's fixed buffers); on the per-expert loop
     the model says why it is not."""
     import engine.layers.moe_fused as moe_fused
     from engine.device import DeviceInfo
-    from engine_testing.checkpoints import MOE_CASES
+    from engine_testing.checkpoints import DEEPSEEK_CASES, MOE_CASES
     from engine_testing.generation import greedy_matches_hf
     from engine_attention_triton.backend import TritonBackend
 
-    arch, overrides = MOE_CASES["qwen3_moe_mlp_only"]
+    arch, overrides = (MOE_CASES["qwen3_moe_mlp_only"] if case == "qwen3"
+                       else DEEPSEEK_CASES["v3_noaux_tc"])
     path = tiny_model_factory(arch, **overrides)
     monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")  # plain weights, as on a GPU
     if not GPU:  # the CPU's own MoE paths out of the way: the fused kernel, as on a GPU
@@ -225,4 +229,4 @@ def test_decode_graphs_capture_a_fused_moe_model(tiny_model_factory, registries,
     for m in runner.model.modules():
         if isinstance(m, SparseMoE):
             m.fused = None
-    assert "per-expert loop" in runner.model.cuda_graph_unsupported
+    assert "per-expert" in runner.model.cuda_graph_unsupported

@@ -16,8 +16,10 @@ feed-forward block.
 With ``--pp-size`` a stage holds its layers (llama.py's stages), each dense or sparse by its
 index in the model.
 
-Not yet (issue 31's later parts), each refused with its reason: CUDA graphs and piecewise CUDA
-graphs; the CPU graph; attention backends without MLA (``register_attention_backends(mla=True)``:
+Decode steps run in CUDA graphs where every sparse layer takes the fused Triton kernel and the
+attention backend can be captured (triton's MLA; flashinfer's MLA wrappers cannot yet: the
+start line says so). Not yet, each refused with its reason: piecewise CUDA graphs of prompts;
+the CPU graph; attention backends without MLA (``register_attention_backends(mla=True)``:
 torch_native, and triton on a CUDA GPU)."""
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from engine.parallel.group import TPGroup
 from engine.parallel.mla import ParallelMLAttention
 from engine.parallel.moe import rank_experts, shared_expert
 
-CUDA_GRAPH_REASON = ("DeepSeek models are not captured yet: MoE layers read their per-expert "
-                     "token counts on the host, and MLA decode steps have not run in a captured "
-                     "graph on a GPU (the fused MoE kernel and that proof are issue 31's later "
-                     "parts)")
+CUDA_GRAPH_REASON = ("DeepSeek's MoE layers on the per-expert loop read their per-expert token "
+                     "counts on the host, which a captured graph cannot (the fused Triton kernel, "
+                     "on CUDA with triton, runs inside graphs)")
+PIECEWISE_REASON = "DeepSeek models' prompts are not captured in piecewise CUDA graphs yet"
 CPU_GRAPH_REASON = "MLA attention and MoE layers have no CPU graph nodes yet"
 
 
@@ -113,11 +115,11 @@ def parallel_problem(config: ModelConfig, tp_size: int, ep_size: int = 1) -> str
 
 class DeepseekForCausalLM(ExpertsForCausalLM):
     layer_cls = DeepseekDecoderLayer
-    cuda_graph_unsupported = CUDA_GRAPH_REASON  # capture_decode_graphs says it and goes on
+    unfused_graph_reason = CUDA_GRAPH_REASON  # (ExpertsForCausalLM.cuda_graph_unsupported)
     cpu_graph_reason = CPU_GRAPH_REASON
 
     def piecewise_parts(self):
-        raise GraphUnsupported(CUDA_GRAPH_REASON)
+        raise GraphUnsupported(PIECEWISE_REASON)
     parallel_problem = staticmethod(parallel_problem)
 
     def check_config(self, config: ModelConfig) -> None:
