@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 # the steps in the order they run, and the longest each may take (then cut to what is left)
-T_B=100 T_E=170 T_D=70 T_A=300 T_C=150
+T_B=130 T_E=170 T_D=70 T_A=300 T_C=150
 case "$PART" in
   1) STEPS="b e c" T_C=240 ;;
   2) STEPS="d a" T_A=420 ;;
