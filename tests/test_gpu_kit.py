@@ -247,7 +247,9 @@ def test_gpu_step_scripts_run_on_the_cpu(tmp_path, script, args):
                            "llama torch_native bfloat16": figures["llama torch_native bfloat16"],
                            "llama+NGRAM torch_native float32 graphs": "12/12",
                            "Qwen3MoeForCausalLM torch_native float32": "12/12",
-                           "DeepseekV3ForCausalLM torch_native float32": "12/12"}
+                           "Qwen3MoeForCausalLM+graphs torch_native float32 graphs": "12/12",
+                           "DeepseekV3ForCausalLM torch_native float32": "12/12",
+                           "DeepseekV3ForCausalLM+graphs torch_native float32 graphs": "12/12"}
 
 
 @pytest.mark.slow

@@ -273,7 +273,7 @@ def test_bad_page_files_are_logged_and_never_loaded(model, tmp_path, caplog, how
         _damage(tmp_path, how)
     else:  # another dtype's pages, renamed to the keys this engine reads
         reader = hicache(model, tmp_path)
-        tree, storage = reader.scheduler.kv.cache, reader.scheduler.kv.cache.storage
+        storage = reader.scheduler.kv.cache.storage
         ours = storage.keys(None, p, len(p) // STORAGE_PAGE_TOKENS)
         theirs = sorted(glob.glob(os.path.join(tmp_path, "*.kvpage")))
         for key, f in zip(ours, theirs):
