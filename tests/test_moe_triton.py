@@ -230,3 +230,35 @@ def test_decode_graphs_capture_a_fused_moe_model(case, tiny_model_factory, regis
         if isinstance(m, SparseMoE):
             m.fused = None
     assert "per-expert" in runner.model.cuda_graph_unsupported
+
+
+def test_prompt_pieces_capture_a_fused_moe_model(tiny_model_factory, registries, monkeypatch):
+    """Piecewise CUDA graphs of a Qwen3-MoE on the fused kernel: prompts of 27 tokens (padded to
+    32) run through the pieces and give the eager forward's logits (on a CPU: the kernel under
+    the interpreter, the EagerGraph stand-in)."""
+    import engine.layers.moe_fused as moe_fused
+    from engine.device import DeviceInfo
+    from engine.quality import prefill_logits
+    from engine.runner import ModelRunner
+    from engine_testing.checkpoints import MOE_CASES
+    from engine_testing.graphs import EagerGraph
+    from engine_attention_triton.backend import TritonBackend
+
+    arch, overrides = MOE_CASES["qwen3_moe_mlp_only"]
+    path = tiny_model_factory(arch, **overrides)
+    monkeypatch.setenv("ENGINE_LINEAR_KERNEL", "plain")
+    if not GPU:
+        import engine.runner
+
+        monkeypatch.setattr(moe_fused, "device_reason", lambda device: None)
+        monkeypatch.setattr(engine.runner, "group_moe_layers", lambda *args: "")
+    device = DeviceInfo("cuda", "GPU", (9, 0)) if GPU else DeviceInfo("cpu", "CPU")
+    runner = ModelRunner(path, registries=registries, device=device, dtype="float32",
+                         attention_factory=TritonBackend)
+    runner.init_kv_pool(1024, page_size=16)
+    prompts = [[5, 17, 301, 42, 9], list(range(40, 49)), list(range(100, 139, 3))]
+    expected = prefill_logits(runner, prompts, return_all_logits=True)
+    runner.init_piecewise_cuda_graphs(64, graph_cls=None if GPU else EagerGraph)
+    got = prefill_logits(runner, prompts, return_all_logits=True)
+    assert runner.last_piecewise_graph
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -15,10 +15,11 @@ checkpoint tensors of experts another rank holds are never read (``other_rank_te
 With ``--pp-size`` a stage holds its layers (llama.py's stages; each layer sparse or dense by
 its index in the model).
 
-Decode steps run in CUDA graphs where every sparse layer takes the fused Triton kernel (CUDA
-with triton: no host sync, every launch size an upper bound); the per-expert loop reads its
-counts on the host, so a model on it is not captured (the start line says why). Not yet, each
-refused with its reason: piecewise CUDA graphs, the CPU graph (no MoE node yet)."""
+Decode steps and (with --enable-piecewise-cuda-graph) prompts run in CUDA graphs where every
+sparse layer takes the fused Triton kernel (CUDA with triton: no host sync, every launch size
+an upper bound); the per-expert loop reads its counts on the host, so a model on it is not
+captured (the start line says why). Not yet, refused with its reason: the CPU graph (no MoE
+node yet)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ LAYOUTS = {
 CUDA_GRAPH_REASON = ("MoE layers on the per-expert loop read their per-expert token counts on "
                      "the host, which a captured graph cannot (the fused Triton kernel, on CUDA "
                      "with triton, runs inside graphs)")
-PIECEWISE_REASON = "MoE models' prompts are not captured in piecewise CUDA graphs yet"
+
 
 
 def parallel_problem(config: ModelConfig, tp_size: int, ep_size: int = 1) -> str | None:
@@ -126,7 +127,12 @@ class ExpertsForCausalLM(LlamaForCausalLM):
             self.unfused_graph_reason
 
     def piecewise_parts(self):
-        raise GraphUnsupported(PIECEWISE_REASON)
+        """Prompts in piecewise CUDA graphs: as the dense models', once every sparse layer runs
+        the fused kernel (a padded token is routed like any other, its row discarded)."""
+        why = self.cuda_graph_unsupported
+        if why:
+            raise GraphUnsupported(why)
+        return super().piecewise_parts()
 
     def cpu_graph(self, g):
         raise GraphUnsupported(self.cpu_graph_reason)
