@@ -89,12 +89,12 @@ def _journal(pool, host, kind: str, src: torch.Tensor, dst: torch.Tensor) -> Non
     """Record a copy for the other ranks (their pools and host tiers are shards of the same
     slots); nothing without them."""
     if pool.copy_journal is not None:
-        pool.copy_journal.append((kind, src.to("cpu", torch.int64), dst.to("cpu", torch.int64),
-                                  host.size))
+        journal_storage(pool, host, kind, src.to("cpu", torch.int64), dst.to("cpu", torch.int64))
 
 
 def journal_storage(pool, host, kind: str, what, where) -> None:
-    """Record a storage-tier step for the other ranks (hicache/shards.py): ``store`` (``what``:
+    """Record a step for the other ranks: a copy (``_journal``) or a storage-tier step
+    (hicache/shards.py): ``store`` (``what``:
     the page's key and tokens, ``where``: where its K/V are, ``read_sources``'s segments),
     ``storage_host`` / ``storage_load`` (``what``: key, tokens and the first position used,
     ``where``: the host / device slots it goes to); nothing without them."""
@@ -141,6 +141,15 @@ def read_sources(pool, host, sources: list) -> tuple[list, list]:
         ks.append(k)
         vs.append(v)
     return [torch.cat(layer) for layer in zip(*ks)], [torch.cat(layer) for layer in zip(*vs)]
+
+
+def page_spans(pages: list, start: int):
+    """(page, key, tokens, first position used, tokens used) of storage ``pages`` ((position,
+    PageKV, key, tokens), consecutive) from position ``start`` on: the first page may begin
+    before it (the tree already holds its head)."""
+    for pos, page, key, tokens in pages:
+        off = max(start - pos, 0)
+        yield page, key, tokens, off, len(page.k[0]) - off
 
 
 def write_page_host(host, page, off: int, rows: torch.Tensor) -> int:

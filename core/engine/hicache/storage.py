@@ -163,10 +163,10 @@ class StorageTier:
             while len(self._jobs) > MAX_JOBS:
                 self._jobs.popitem(last=False)[1].cancelled = True
             self._reader.submit(self._prefetch, job)
-        ready = job.pages[first - job.first:]
-        pages = [((first + i) * p, page, job.keys[first - job.first + i],
-                  job.tokens[(first - job.first + i) * p:(first - job.first + i + 1) * p])
-                 for i, page in enumerate(ready)]
+        at = first - job.first  # the job's page index of ``first``
+        ready = job.pages[at:]
+        pages = [((first + i) * p, page, job.keys[at + i],
+                  job.tokens[(at + i) * p:(at + i + 1) * p]) for i, page in enumerate(ready)]
         length = (first + len(ready)) * p - start if ready else 0
         wait = not job.done and (
             self.policy == "wait_complete" or (self.policy == "timeout" and time.monotonic()

@@ -33,7 +33,8 @@ from collections import deque
 
 import torch
 
-from engine.hicache.copier import journal_storage, make_copier, read_sources, write_page_host
+from engine.hicache.copier import (journal_storage, make_copier, page_spans, read_sources,
+                                   write_page_host)
 from engine.memory.radix_cache import Node, RadixCache, _tick
 
 THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
@@ -166,12 +167,9 @@ class HiRadixCache(RadixCache):
         """Copy ``node``'s device slots to the host tier (evicting there, LRU, if needed);
         False when the host tier cannot take it. Also queues its pages for storage."""
         n = len(node.key)
-        slots = self.host.alloc(n)
+        slots = self._host_slots(n)
         if slots is None:
-            self.evict_host(n - self.host.free_slots)
-            slots = self.host.alloc(n)
-            if slots is None:
-                return False
+            return False
         self.host_size += n
         node.host_value = slots
         if self.submitted > self.written:  # the batch that writes its K/V may still run
@@ -235,6 +233,26 @@ class HiRadixCache(RadixCache):
         loads back like any host node. None, with nothing changed, when the host tier cannot
         take it."""
         n = len(key)
+        slots = self._host_slots(n, keep)
+        if slots is None:
+            return None
+        done = moved = 0
+        for page, page_key, tokens, off, used in page_spans(pages, start):
+            rows = slots[done: done + used]
+            moved += write_page_host(self.host, page, off, rows)
+            journal_storage(self.pool, self.host, "storage_host", (page_key, tokens, off), rows)
+            done += used
+        assert done == n, "storage pages and the staged key disagree"
+        self.stats.moved("storage->device", moved)
+        node = Node(key, None, parent)
+        node.value, node.host_value = None, slots
+        parent.children[self._child_key(node.key)] = node
+        self.host_size += n
+        return node
+
+    def _host_slots(self, n: int, keep: list[Node] = ()) -> torch.Tensor | None:
+        """Host slots for ``n`` tokens, evicting there (LRU, never ``keep``) if needed; None
+        when the host tier cannot free them."""
         slots = self.host.alloc(n)
         if slots is None:
             self.pin(keep)
@@ -243,21 +261,7 @@ class HiRadixCache(RadixCache):
             finally:
                 self.unpin()
             slots = self.host.alloc(n)
-            if slots is None:
-                return None
-        done = 0
-        for pos, page, page_key, tokens in pages:
-            off = max(start - pos, 0)
-            rows = slots[done: done + len(page.k[0]) - off]
-            write_page_host(self.host, page, off, rows)
-            journal_storage(self.pool, self.host, "storage_host", (page_key, tokens, off), rows)
-            done += len(rows)
-        assert done == n, "storage pages and the staged key disagree"
-        node = Node(key, None, parent)
-        node.value, node.host_value = None, slots
-        parent.children[self._child_key(node.key)] = node
-        self.host_size += n
-        return node
+        return slots
 
     def start_load(self, nodes: list[Node], slots: torch.Tensor):
         """Host-only ``nodes`` (a path, in order) get device copies at ``slots``: counted and

@@ -28,32 +28,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm(X, R, W, Y, H, stride_x, stride_r, stride_y, stride_h, N, eps,
+              ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """RMSNorm of a row of X, or (ADD) of X + R, that sum stored into H first."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(H.dtype.element_ty)  # the residual stream, rounded as torch's add rounds
+        tl.store(H + row * stride_h + offs, h, mask=mask)
+        x = h.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / N
     y = x * (1.0 / tl.sqrt(mean_sq + eps))
-    y = y.to(X.dtype.element_ty).to(tl.float32)  # rounded to the input dtype first
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, (y * w).to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _add_rms_norm(X, R, W, Y, H, stride_x, stride_r, stride_y, stride_h, N, eps,
-                  BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (x + r).to(H.dtype.element_ty)  # the residual stream, rounded as torch's add rounds
-    tl.store(H + row * stride_h + offs, h, mask=mask)
-    h = h.to(tl.float32)
-    mean_sq = tl.sum(h * h, axis=0) / N
-    y = h * (1.0 / tl.sqrt(mean_sq + eps))
-    y = y.to(H.dtype.element_ty).to(tl.float32)
+    if ADD:  # rounded to the normed input's dtype first
+        y = y.to(H.dtype.element_ty).to(tl.float32)
+    else:
+        y = y.to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (y * w).to(Y.dtype.element_ty), mask=mask)
 
@@ -97,8 +89,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
-        _rms_norm[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+        _rms_norm[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
+                                  n, eps, ADD=False, BLOCK=triton.next_power_of_2(n),
+                                  num_warps=_warps(n))
     return out.view(x.shape)
 
 
@@ -111,9 +104,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     h = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, h), device=x.device)
     if x2.shape[0]:
-        _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, h, x2.stride(0), r2.stride(0),
-                                      out.stride(0), h.stride(0), n, eps,
-                                      BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+        _rms_norm[(x2.shape[0],)](x2, r2, weight, out, h, x2.stride(0), r2.stride(0),
+                                  out.stride(0), h.stride(0), n, eps, ADD=True,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
     return out.view(x.shape), h.view(x.shape)
 
 

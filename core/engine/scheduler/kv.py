@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.hicache.copier import journal_storage, load_page
+from engine.hicache.copier import journal_storage, load_page, page_spans
 from engine.hicache.report import TierStats
 from engine.memory.kv_pool import KVPool
 from engine.memory.radix_cache import RadixCache
@@ -213,7 +213,6 @@ class KVManager:
         key = req.seq[start: start + loads.storage_len]
         if self.cache.stage(parent, key, loads.storage_pages, start, loads.host_nodes) is None:
             return prefix
-        self.stats.moved("storage->device", loads.storage_len * self.cache.host.bytes_per_token())
         self.staged[req.rid] = self.staged.get(req.rid, 0) + loads.storage_len
         return self.match(req)
 
@@ -321,14 +320,12 @@ class KVManager:
         own shard of the same pages into the same slots before the next forward."""
         pool, done, moved = self.pool, 0, 0
         idx = slots.to(pool.k_buffer[0].device, torch.int64)
-        for pos, page, key, tokens in pages:
-            off = max(start - pos, 0)
-            n = len(page.k[0]) - off
-            rows = idx[done: done + n]
+        for page, key, tokens, off, used in page_spans(pages, start):
+            rows = idx[done: done + used]
             moved += load_page(pool, page, off, rows)
             journal_storage(pool, self.cache.host, "storage_load", (key, tokens, off),
                             rows.to("cpu"))
-            done += n
+            done += used
         self.stats.moved("storage->device", moved)
 
     # -- growth --------------------------------------------------------------------------------

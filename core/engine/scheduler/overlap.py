@@ -36,6 +36,7 @@ import os
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -239,7 +240,7 @@ class OverlapSchedule:
             try:
                 with self._on_stream():
                     if job.error is None:  # (a launch ahead may have failed it already)
-                        if job.logits is None and not job.launched:
+                        if not job.launched:
                             self._launch(job)
                         self._sample(job)
                         if self.launch_ahead:
@@ -257,7 +258,7 @@ class OverlapSchedule:
     _STOP = object()
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else _nothing()
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def _next_job(self, job: Job):
         """Launch ahead (a GPU): the next batch's forward queued behind ``job``'s sampling
@@ -341,10 +342,3 @@ class OverlapSchedule:
         job.logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         job.top_logprobs = out.top_logprobs
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

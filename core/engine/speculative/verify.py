@@ -15,8 +15,8 @@ stay allocated to it and are overwritten by later steps, so nothing is freed her
 invariant holds.
 
 Trees of drafts (``Draft.parents``: n-gram lookup with ``--speculative-ngram-max-bfs-breadth``
-> 1, the model drafters with ``--speculative-eagle-topk`` > 1): each node must attend to the request's sequence and its own ancestors only. Every node
-becomes a one-token row of its own request-table row, borrowed for the step (a copy of the
+> 1, the model drafters with ``--speculative-eagle-topk`` > 1): each node must attend to the
+request's sequence and its own ancestors only. Every node becomes a one-token row of its own request-table row, borrowed for the step (a copy of the
 request's row up to its last token, then the slots of the node's ancestors and its own), so
 every attention backend and the CPU graph run it as a decode row of a request whose sequence
 is exactly the node's path. The request's own slots hold the nodes' K/V (its row grows by the
