@@ -16,8 +16,8 @@ invariant holds.
 
 Trees of drafts (``Draft.parents``: n-gram lookup with ``--speculative-ngram-max-bfs-breadth``
 > 1, the model drafters with ``--speculative-eagle-topk`` > 1): each node must attend to the
-request's sequence and its own ancestors only. Every node becomes a one-token row of its own request-table row, borrowed for the step (a copy of the
-request's row up to its last token, then the slots of the node's ancestors and its own), so
+request's sequence and its own ancestors only. Every node becomes a one-token row of its own
+request-table row, borrowed for the step (a copy of the request's row up to its last token, then the slots of the node's ancestors and its own), so
 every attention backend and the CPU graph run it as a decode row of a request whose sequence
 is exactly the node's path. The request's own slots hold the nodes' K/V (its row grows by the
 tree's size); round ``j`` samples at the node the request has reached (the root: its last
