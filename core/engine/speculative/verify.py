@@ -17,12 +17,13 @@ invariant holds.
 Trees of drafts (``Draft.parents``: n-gram lookup with ``--speculative-ngram-max-bfs-breadth``
 > 1, the model drafters with ``--speculative-eagle-topk`` > 1): each node must attend to the
 request's sequence and its own ancestors only. Every node becomes a one-token row of its own
-request-table row, borrowed for the step (a copy of the request's row up to its last token, then the slots of the node's ancestors and its own), so
-every attention backend and the CPU graph run it as a decode row of a request whose sequence
-is exactly the node's path. The request's own slots hold the nodes' K/V (its row grows by the
-tree's size); round ``j`` samples at the node the request has reached (the root: its last
-token), and a child carrying the sampled token is accepted: the request's row is rewritten so
-that its positions hold the accepted path's slots first (the others after it, still its own).
+request-table row, borrowed for the step (a copy of the request's row up to its last token,
+then the slots of the node's ancestors and its own), so every attention backend and the CPU
+graph run it as a decode row of a request whose sequence is exactly the node's path. The
+request's own slots hold the nodes' K/V (its row grows by the tree's size); round ``j`` samples
+at the node the request has reached (the root: its last token), and a child carrying the
+sampled token is accepted: the request's row is rewritten so that its positions hold the
+accepted path's slots first (the others after it, still its own).
 A drafter reading hidden states gets the root's and the accepted path's, in position order.
 Only with pages of one token (a page's slots must stay together)."""
 
