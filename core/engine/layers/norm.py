@@ -1,12 +1,12 @@
 """RMSNorm, computed in float32 whatever the model dtype (as the checkpoints were trained); on
-CUDA one fused Triton kernel (layers/activation.py says when)."""
+CUDA one fused Triton kernel, on a CPU one C loop (layers/activation.py says when)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.layers.activation import gpu_ops
+from engine.layers.activation import cpu_ops, gpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -20,14 +20,22 @@ class RMSNorm(nn.Module):
             ops = gpu_ops()
             if ops is not None:
                 return ops.rms_norm(x, self.weight, self.eps)
+        elif x.device.type == "cpu":
+            ops = cpu_ops()
+            if ops is not None and ops.rows_ok(x, self.weight[None]):
+                return ops.rms_norm(x, self.weight, self.eps)
         return self.eager(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor,
                                                                             torch.Tensor]:
-        """(this norm of ``residual + x``, ``residual + x``): on CUDA one kernel."""
+        """(this norm of ``residual + x``, ``residual + x``): on CUDA or a CPU one kernel."""
         if x.is_cuda and x.shape == residual.shape and x.stride(-1) == residual.stride(-1) == 1:
             ops = gpu_ops()
             if ops is not None:
+                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        elif x.device.type == "cpu" and x.shape == residual.shape:
+            ops = cpu_ops()
+            if ops is not None and ops.rows_ok(x, residual, self.weight[None]):
                 return ops.add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self(h), h

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.layers.activation import gpu_ops
+from engine.layers.activation import cpu_ops, gpu_ops
 from torch import nn
 
 
@@ -112,11 +112,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [T, heads, head_dim] (q, k, or both side by side: one call rotates them all);
     cos, sin: [T, 1, head_dim] from RotaryEmbedding, in x's dtype. HF's ``x * cos +
     rotate_half(x) * sin`` bit for bit (rotate_half(x) * sin = (x2, x1) * (-sin, sin)), in
-    four ops where the half-width form took ten; on CUDA one kernel (layers/fused_triton.py)."""
+    four ops where the half-width form took ten; on CUDA one kernel (layers/fused_triton.py), on a
+    CPU one C loop (layers/cpu_fused.py)."""
     if x.is_cuda and x.dim() == 3 and x.stride(-1) == 1 and cos.is_contiguous() and \
             sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype and x.shape[-1] % 2 == 0:
         ops = gpu_ops()
         if ops is not None:
+            return ops.rotary(x, cos, sin)
+    elif x.device.type == "cpu":
+        ops = cpu_ops()
+        if ops is not None and ops.rotary_ok(x, cos, sin):
             return ops.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -45,6 +45,8 @@ def test_matches_torch_native_in_every_mode(shape, page_size):
     new = [9, 1, 70, 4, 33]  # one prompt longer than a 64-key block, one of a single token
     batch = step(pool, (cpu, native), rows, [0] * 5, new, specs, gen, 1e-5)
     assert batch.mode == ForwardMode.EXTEND and cpu.decode is not None  # the 1-token prompt
+    # prompt rows: the C prompt kernel where the head dim is a multiple of 16, else SDPA
+    assert (cpu.prompts is not None) == (D % 16 == 0) == (not cpu.groups)
     lens = new
     for _ in range(3):  # decodes across block boundaries and past the window
         batch = step(pool, (cpu, native), rows, lens, [1] * 5, specs, gen, 1e-5)
@@ -52,6 +54,7 @@ def test_matches_torch_native_in_every_mode(shape, page_size):
     assert batch.mode == ForwardMode.DECODE and not cpu.groups
     batch = step(pool, (cpu, native), rows, lens, [1, 6, 1, 1, 12], specs, gen, 1e-5)
     assert batch.mode == ForwardMode.MIXED and len(cpu.decode[0]) == 3
+    assert (cpu.prompts is not None) == (D % 16 == 0)  # after a cached prefix
     lens = [n + e for n, e in zip(lens, [1, 6, 1, 1, 12])]
     free_requests(pool, rows, lens)
     pool.free_pages(pages[1::2])
