@@ -148,7 +148,8 @@ def test_a_rank_loads_only_its_experts_slices(models, registries, ep):
     ({"tp_size": 2, "ep_size": 4}, "--ep-size 4 must divide --tp-size 2"),
     ({"tp_size": 4, "ep_size": 2, "enable_expert_parallel": True},
      "--ep-size 2 and --enable-expert-parallel"),
-    ({"tp_size": 2, "enable_dp_attention": True}, "--enable-dp-attention .* not supported yet"),
+    ({"tp_size": 2, "enable_dp_attention": True},
+     "--enable-dp-attention runs one process per rank"),
     ({"tp_size": 2, "ep_size": 2, "model": "dense"},
      "--ep-size 2 splits a mixture-of-experts model's experts, and LlamaForCausalLM has none"),
 ])

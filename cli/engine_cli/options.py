@@ -299,8 +299,12 @@ ENGINE_OPTIONS = [
     click.option("--enable-expert-parallel", is_flag=True, default=False,
                  help="vLLM's spelling of --ep-size equal to --tp-size."),
     click.option("--enable-dp-attention", is_flag=True, default=False,
-                 help="SGLang's data-parallel attention across the ranks: not supported yet "
-                      "(refused)."),
+                 help="SGLang's data-parallel attention for MoE models: each of the --tp-size "
+                      "ranks its own process, requests, KV cache and scheduler behind one "
+                      "front; the MoE layers over all ranks (--ep-size as with --tp-size)."),
+    click.option("--dp-attention-rank", type=int, hidden=True),
+    click.option("--dp-attention-size", type=int, default=1, hidden=True),
+    click.option("--dp-attention-init", hidden=True),
     click.option("--pp-max-micro-batch-size", type=click.IntRange(min=1),
                  help="Requests per pipeline micro-batch (more micro-batches overlap the stages "
                       "better, each one smaller).  [default: a batch is cut into --pp-size "

@@ -58,6 +58,9 @@ def serve_command(**kwargs):
         raise click.UsageError("--record-trace records on a single engine server: not with "
                                "--dp-size > 1 (record on one replica's server) nor on a node "
                                "with --node-rank > 0 (node 0 serves HTTP; record there).")
+    if kwargs["enable_dp_attention"] and kwargs["dp_attention_rank"] is None:
+        _serve_dp_attention(ctx, kwargs)
+        return
     if kwargs["dp_size"] > 1:
         if kwargs["nnodes"] > 1:
             raise click.UsageError("--nnodes with --dp-size: the dp front runs its replicas on "
@@ -103,12 +106,14 @@ def _serve_node(config: dict, log_level: str) -> None:
 
 
 
-def replica_args(ctx: click.Context) -> list[str]:
-    """The command line of one replica: every flag given to this command but the front's."""
-    args: list[str] = []
+def replica_args(ctx: click.Context, tp_size: int | None = None) -> list[str]:
+    """The command line of one replica: every flag given to this command but the front's
+    (``tp_size``: a --tp-size of its own instead of the one given)."""
+    args: list[str] = [] if tp_size is None else ["--tp-size", str(tp_size)]
     for param in ctx.command.get_params(ctx):
         name = param.name
-        if not isinstance(param, click.Option) or name in FRONT_ONLY or not given(ctx, name):
+        if not isinstance(param, click.Option) or name in FRONT_ONLY or not given(ctx, name) \
+                or (tp_size is not None and name == "tp_size"):
             continue
         value = ctx.params[name]
         if param.is_flag and param.secondary_opts:
@@ -122,7 +127,45 @@ def replica_args(ctx: click.Context) -> list[str]:
     return args
 
 
-def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
+def _serve_dp_attention(ctx: click.Context, kwargs: dict) -> None:
+    """--enable-dp-attention: the front and one replica per tp rank (its own process,
+    requests, KV cache and scheduler), whose MoE layers run over all of them
+    (engine/parallel/dp_attention.py); each replica learns its place from flags of its own."""
+    from engine.config import EngineConfig
+    from engine.errors import EngineError
+    from engine.models.checkpoint import open_checkpoint
+    from engine.models.config import ModelConfig
+    from engine.models.default import default_model_path
+    from engine.models.moe import dp_attention_problem
+    from engine.net import free_port
+    from engine.plugins import get_registries, load_plugins
+
+    config, _ = split_options(dict(kwargs), ctx.command.plugin_dests, SERVER_FLAGS)
+    ranks = config["tp_size"]
+    try:  # the flags and the model, before any process starts
+        engine_config = EngineConfig(**{k: v for k, v in config.items()
+                                        if k not in ROUTER_FLAGS}, dp_size=1).validate()
+        if kwargs["dp_size"] not in (1, ranks):
+            raise EngineError(f"--dp-size {kwargs['dp_size']} with --enable-dp-attention: the "
+                              f"data-parallel attention replicas are the --tp-size {ranks} "
+                              f"ranks (SGLang's --dp equal to --tp); drop --dp-size or give "
+                              f"{ranks}.")
+        load_plugins()
+        model = engine_config.model or default_model_path()
+        problem = dp_attention_problem(ModelConfig.from_checkpoint(
+            open_checkpoint(model), get_registries().models), ranks, engine_config.ep_size)
+        if problem:
+            raise EngineError(problem)
+    except EngineError as e:
+        raise click.UsageError(str(e)) from None
+    kwargs["dp_size"] = ranks
+    init = f"tcp://127.0.0.1:{free_port()}"
+    rank_args = [["--dp-attention-rank", str(r), "--dp-attention-size", str(ranks),
+                  "--dp-attention-init", init] for r in range(ranks)]
+    _serve_dp(ctx, kwargs, rank_args)
+
+
+def _serve_dp(ctx: click.Context, kwargs: dict, rank_args: list[list[str]] | None = None) -> None:
     from engine.config import EngineConfig
     from engine.errors import EngineError
     from engine.router.launch import serve_dp
@@ -137,16 +180,20 @@ def _serve_dp(ctx: click.Context, kwargs: dict) -> None:
                                    f"--router-policy {router['router_policy']}; drop them.")
     logging.basicConfig(level=server["log_level"].upper(),
                         format="[%(asctime)s %(levelname)s] %(message)s")
+    if rank_args is not None:  # --enable-dp-attention: each replica is one of the tp ranks
+        config["tp_size"] = 1
     try:  # refuse bad engine flags here, before N replicas start and each refuses them
-        EngineConfig(**config).validate()
+        if rank_args is None:
+            EngineConfig(**config).validate()
         options = RouterOptions(router["dp_size"], router["router_balance_abs_threshold"],
                                 router["router_balance_rel_threshold"],
                                 router["router_cache_threshold"]).validate()
     except (EngineError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     try:
-        serve_dp(replica_args(ctx), options, router["router_policy"], server["host"],
-                 server["port"], server["api_key"], server["shutdown_grace_period"],
-                 server["log_level"], server["max_request_bytes"], config)
+        serve_dp(replica_args(ctx, tp_size=1 if rank_args else None), options,
+                 router["router_policy"], server["host"], server["port"], server["api_key"],
+                 server["shutdown_grace_period"], server["log_level"],
+                 server["max_request_bytes"], config, rank_args)
     except RuntimeError as e:  # a replica that did not start
         raise click.ClickException(str(e)) from None

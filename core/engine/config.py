@@ -86,7 +86,13 @@ class EngineConfig:
     # --ep-size; must divide tp_size); enable_expert_parallel is vLLM's spelling of ep = tp
     ep_size: int = 1
     enable_expert_parallel: bool = False
-    enable_dp_attention: bool = False  # SGLang's; refused: not supported yet
+    # SGLang's: attention data-parallel over the --tp-size ranks (each its own requests, KV and
+    # scheduler, behind one front), the MoE layers over all of them (engine/parallel/
+    # dp_attention.py); a rank's own process gets its place in the three below (set by the front)
+    enable_dp_attention: bool = False
+    dp_attention_rank: int | None = None
+    dp_attention_size: int = 1
+    dp_attention_init: str | None = None  # tcp://host:port where the ranks meet
     dp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -224,21 +230,51 @@ class EngineConfig:
              "--enable-torch-compile with --tp-size or --pp-size > 1 is not supported yet (the "
              "compiled decoder would hold the ranks' collectives); drop one of them.")
         need(self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}")
+        # the ranks the experts are split over: the tp group, or a data-parallel attention
+        # rank's peers (its own process has --tp-size 1)
+        ranks = self.dp_attention_size if self.dp_attention_rank is not None else self.tp_size
         if self.enable_expert_parallel:
-            need(self.ep_size in (1, self.tp_size),
+            need(self.ep_size in (1, ranks),
                  f"--ep-size {self.ep_size} and --enable-expert-parallel (vLLM's: ep = --tp-size "
-                 f"{self.tp_size}) set the same knob to different values; give one of them.")
-            self.ep_size = self.tp_size
-        need(self.tp_size % self.ep_size == 0,
-             f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}: the experts are "
+                 f"{ranks}) set the same knob to different values; give one of them.")
+            self.ep_size = ranks
+        need(ranks % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide --tp-size {ranks}: the experts are "
              f"split over the ranks of the tp group; use e.g. --tp-size {self.ep_size} "
              f"--ep-size {self.ep_size}.")
-        need(not self.enable_dp_attention,
-             "--enable-dp-attention (attention data-parallel across the ranks) is not supported "
-             "yet; drop it: --tp-size splits the attention, --ep-size the experts.")
+        self._check_dp_attention(need)
         need(self.nnodes == 1 or self.dist_init_addr is not None,
              f"--nnodes {self.nnodes} needs --dist-init-addr host:port: the address of node 0, "
              f"where the other nodes meet it (give every node the same one).")
+
+    def _check_dp_attention(self, need) -> None:
+        """--enable-dp-attention: as given to engine serve (tp_size ranks to start), or as a
+        rank's own process sees it (tp_size 1, its rank among dp_attention_size)."""
+        if self.dp_attention_rank is not None:  # one rank's process, started by the front
+            need(self.enable_dp_attention and self.tp_size == 1 and self.pp_size == 1
+                 and 0 <= self.dp_attention_rank < self.dp_attention_size
+                 and self.dp_attention_init is not None,
+                 "--dp-attention-rank/-size/-init are set by `engine serve "
+                 "--enable-dp-attention` for each rank it starts; do not give them.")
+            return
+        if not self.enable_dp_attention:
+            return
+        need(self.tp_size > 1,
+             "--enable-dp-attention runs the attention data-parallel over the --tp-size ranks "
+             "(each its own requests and KV cache) and the MoE layers over all of them: give "
+             "--tp-size 2 or more.")
+        need(self.pp_size == 1 and self.nnodes == 1,
+             "--enable-dp-attention runs on one node without pipeline stages: drop --pp-size "
+             "and --nnodes.")
+        need(self.dp_size in (1, self.tp_size),
+             f"--dp-size {self.dp_size} with --enable-dp-attention: the data-parallel "
+             f"attention replicas are the --tp-size {self.tp_size} ranks (SGLang's --dp equal "
+             f"to --tp); drop --dp-size or give {self.tp_size}.")
+        need(not self.enable_torch_compile and not self.enable_overlap_schedule
+             and self.speculative_algorithm is None and self.speculative_config is None,
+             "--enable-dp-attention runs every rank's forward in step with the others' MoE "
+             "layers (a collective per layer); not yet with --enable-torch-compile, "
+             "--enable-overlap-schedule or speculative decoding: drop them.")
 
     def _fold_vllm_spellings(self, need) -> None:
         def same(ours: str, theirs: str, value, default=None) -> None:

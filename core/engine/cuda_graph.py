@@ -207,6 +207,9 @@ def capture_decode_graphs(runner, config, device, sizing, backend_name: str) -> 
     if config.pp_size > 1:
         return ("cuda graph: off (--pp-size > 1: a stage's forward waits on another "
                 "rank's activations, which a captured graph cannot)")
+    if config.enable_dp_attention:
+        return ("cuda graph: off (--enable-dp-attention: the MoE layers' gathers are sized "
+                "from every rank's token count, read on the host)")
     unsupported = getattr(runner.model, "cuda_graph_unsupported", None)
     if unsupported:  # the model's own reason (an MoE model's: models/moe.py)
         return f"cuda graph: off ({unsupported})"

@@ -62,6 +62,8 @@ class Engine:
         self.checkpoint = open_checkpoint(model_path)  # reads the config, not the weights
         self.model_config = model_config = ModelConfig.from_checkpoint(self.checkpoint,
                                                                        regs.models)
+        if config.enable_dp_attention:
+            self._check_dp_attention(model_config)
         self.parallel = None  # (strategy, what every node must agree on) with tp x pp > 1
         if config.tp_size * config.pp_size > 1:
             from engine.ranks.launch import check_model_splits
@@ -85,6 +87,21 @@ class Engine:
         self.attention_backend = attn_entry.name
         self.quantization = quant_entry.name if quant_entry else None
         return Resolved(policy_entry, kv_entry, attn_entry, quant_entry)
+
+    def _check_dp_attention(self, model_config) -> None:
+        """--enable-dp-attention: one rank's process, of a model whose MoE layers split over
+        the ranks (the front starts the ranks: engine serve)."""
+        from engine.models.moe import dp_attention_problem
+
+        config = self.config
+        if config.dp_attention_rank is None:
+            raise EngineError("--enable-dp-attention runs one process per rank, each with its "
+                              "own requests, KV cache and scheduler, behind one front: serve "
+                              "it with `engine serve --enable-dp-attention --tp-size N` (an "
+                              "Engine in this process is one rank).")
+        problem = dp_attention_problem(model_config, config.dp_attention_size, config.ep_size)
+        if problem:
+            raise EngineError(problem)
 
     def _build(self, regs, resolved: Resolved) -> None:
         """Load and start, step by step (engine/startup.py)."""

@@ -43,14 +43,20 @@ class ModelRunner:
         ``compile_max_tokens``: torch.compile the decoder stack for forwards up to that many
         tokens (``--enable-torch-compile``; see compile.py); ``tp``: this rank's TPGroup and
         ``pp``: its PPStage (engine.parallel): it holds and computes only its shard."""
+        # --enable-dp-attention: the model's MoE layers over the ranks, the rest whole (as
+        # with no tp: this rank's own requests and KV); forwards run in step (dp_idle)
+        self.dp = tp if getattr(tp, "dp_attention", False) else None
+        if self.dp is not None:
+            tp = None
         self.device, self.tp, self.pp = device, tp, pp
+        self.forwards = 0  # forwards run (the engine loop's idle steps tell one from none)
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
         self.model_config = ModelConfig.from_checkpoint(
             ckpt, registries.models if model_cls is None else None)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, self.model_config.torch_dtype, device)
         half_weights = cpu_half_weights(dtype, device)
         model_cls = model_cls or resolve_model_class(registries, self.model_config.architecture)
-        parallel = {"tp": tp} if tp is not None else {}
+        parallel = {"tp": tp or self.dp} if (tp or self.dp) is not None else {}
         if pp is not None:
             parallel["pp"] = pp
         # a quantization method whose arithmetic the GGUF's blocks are runs as them (see
@@ -59,7 +65,7 @@ class ModelRunner:
         self.quant_note, activations = None, None
         if quant_method is not None and quant_block_reason(
                 quant_method, ckpt, device.torch_device, self.dtype, half_weights,
-                tp is not None, registries) is None:
+                bool(parallel), registries) is None:
             activations = quant_method.block_activations
             self.quant_note = block_note(ckpt.block_formats(), activations)
             quant_method = None
@@ -71,7 +77,7 @@ class ModelRunner:
         # elsewhere: the log line says which (a compiled graph calls the packed linears
         # as opaque ops, see compile.py)
         self.linear_kernel = self._pack_linears(ckpt, registries, half_weights,
-                                                parallel=tp is not None,
+                                                parallel=bool(parallel),
                                                 quantized=quant_method is not None,
                                                 activations=activations)
         # an MoE model's sparse layers: grouped GEMMs on a CPU (packed with the linears,
@@ -223,6 +229,9 @@ class ModelRunner:
         stage's ``hidden`` [T, hidden_size]; one before the last returns its own. A draft head
         that reads the target's hidden states (EAGLE) takes them as ``hidden``."""
         assert self.backend is not None, "call init_kv_pool() before forward()"
+        self.forwards += 1
+        if self.dp is not None:  # every rank's token count: the MoE layers' gathers
+            self.dp.begin(batch.num_tokens)
         graphs = self.cuda_graphs  # never captured with pp (a stage waits on another rank)
         self.last_cuda_graph = (graphs is not None and not return_all_logits
                                 and graphs.can_run(batch))
@@ -244,6 +253,23 @@ class ModelRunner:
             with forward_context(self.backend, batch):
                 out = self.model(batch, return_all_logits, **stage)
         return out.float() if self.is_last_stage else out
+
+
+    def dp_idle(self) -> bool:
+        """A data-parallel attention rank with nothing to run: its part in the other ranks'
+        forward if one runs (the count exchange, then each MoE layer's collectives with no
+        tokens of its own). False when no rank had tokens (nothing ran)."""
+        if not any(self.dp.begin(0)):
+            return False
+        from engine.layers.moe import SparseMoE
+
+        x = torch.zeros(0, self.model_config.hidden_size, dtype=self.dtype,
+                        device=self.device.torch_device)
+        with torch.inference_mode():
+            for block in self.model.modules():
+                if isinstance(block, SparseMoE):
+                    block(x)
+        return True
 
 
 def build_runner(config, checkpoint, registries, device, attn_entry, kv_entry, quant_entry,

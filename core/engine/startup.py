@@ -40,7 +40,7 @@ def start_runner(config, checkpoint, model_config, regs, device, resolved: Resol
 
     if parallel is None:
         runner = build_runner(config, checkpoint, regs, device, resolved.attention, resolved.kv,
-                              resolved.quant)
+                              resolved.quant, tp=join_dp_attention(config, regs, device))
         return runner, device, runner.weight_bytes, runner.kv_bytes_per_token()
     from engine.ranks.launch import start_rank0  # rank 0 of tp x pp ranks (engine/ranks)
 
@@ -56,6 +56,24 @@ def start_runner(config, checkpoint, model_config, regs, device, resolved: Resol
         share = device.available_memory // runner.topo.per_node
         device = dataclasses.replace(device, available_memory=share)
     return runner, device, weights, kv_per_token
+
+
+def join_dp_attention(config, regs, device):
+    """A data-parallel attention rank's process (``engine serve --enable-dp-attention`` starts
+    one per rank): join the other ranks, for the MoE layers (engine/parallel/dp_attention.py);
+    None for any other engine."""
+    if config.dp_attention_rank is None:
+        return None
+    from datetime import timedelta
+
+    from engine.parallel.dp_attention import init_dp_attention_group
+    from engine.registry import resolve_parallel_strategy
+
+    strategy = resolve_parallel_strategy(regs, config.parallel_strategy, device).obj
+    return init_dp_attention_group(
+        strategy.backend, config.dp_attention_rank, config.dp_attention_size,
+        config.dp_attention_init, config.ep_size,
+        device.torch_device if device.is_cuda else None, timedelta(seconds=config.dist_timeout))
 
 
 def plan_memory(config, runner, device, weights: int, kv_per_token: int, resolved: Resolved):
@@ -168,6 +186,10 @@ def start_lines(engine, resolved: Resolved) -> list[str]:
         lines.append(hicache_line(engine.scheduler.kv.cache))
     if engine.parallel is not None:
         lines.append(runner.describe())
+    if getattr(runner, "dp", None) is not None:
+        lines.append(f"dp attention: rank {runner.dp.rank} of {runner.dp.size} (its own "
+                     f"requests, KV cache and scheduler); MoE layers over the {runner.dp.size} "
+                     f"ranks: {runner.model.experts_placement.describe()}")
     lines += [engine.cuda_graph, engine.piecewise_cuda_graph]
     if engine.cpu_graph:
         lines.append(engine.cpu_graph)

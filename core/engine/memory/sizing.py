@@ -122,6 +122,9 @@ def piecewise_off_reason(config, device) -> str | None:
     if config.tp_size * config.pp_size > 1:
         return ("--tp-size/--pp-size > 1: the pieces are the single-process model's (a tp "
                 "layer's all-reduce, a stage's hand-off to the next rank)")
+    if config.enable_dp_attention:
+        return ("--enable-dp-attention: the MoE layers' gathers are sized from every rank's "
+                "token count, read on the host")
     return None
 
 

@@ -122,6 +122,9 @@ class DeepseekForCausalLM(ExpertsForCausalLM):
         raise GraphUnsupported(PIECEWISE_REASON)
     parallel_problem = staticmethod(parallel_problem)
 
+    def sparse_block(self, config: ModelConfig, tp: TPGroup) -> tuple[str, nn.Module]:
+        return "mlp", DeepseekMoE(config, tp)
+
     def check_config(self, config: ModelConfig) -> None:
         if config.mla is None:
             raise EngineError(f"{config.architecture} is no DeepSeek MLA architecture.")

@@ -33,6 +33,7 @@ from engine.layers.moe import SparseMoE
 from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.parallel import experts as placement
+from engine.parallel.dp_attention import in_step
 from engine.parallel.group import TPGroup
 from engine.parallel.moe import rank_experts
 
@@ -77,17 +78,39 @@ def held_elsewhere(place: placement.ExpertPlacement | None, name: str) -> bool:
     return place is not None and expert is not None and not place.holds(expert)
 
 
+def sparse_block(config: ModelConfig, tp: TPGroup | None) -> tuple[str, nn.Module]:
+    """(its name in a decoder layer, a sparse block holding ``tp``'s rank's experts)."""
+    layout, c = LAYOUTS[config.architecture], config
+    experts = None if tp is None else rank_experts(
+        c.hidden_size, c.moe_intermediate_size, c.num_experts, layout.names, tp)[0]
+    return layout.block, SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts,
+                                   c.num_experts_per_tok, c.norm_topk_prob, layout.names,
+                                   layout.float32_weights, experts=experts, tp=tp)
+
+
+def dp_attention_problem(config: ModelConfig, ranks: int, ep_size: int) -> str | None:
+    """Why ``config``'s MoE layers cannot be split over ``ranks`` data-parallel attention
+    ranks (the attention and dense layers stay whole; DeepSeek's shared experts are cut)."""
+    if not config.num_experts:
+        return (f"--enable-dp-attention is for mixture-of-experts models (their MoE layers run "
+                f"over every rank); {config.architecture} has none: serve it with --dp-size "
+                f"{ranks} replicas instead.")
+    shared = config.moe_intermediate_size * (config.routing.n_shared_experts
+                                             if config.routing else 0)
+    if shared % ranks:
+        return (f"{config.architecture}: its shared experts' intermediate size {shared} does "
+                f"not split over {ranks} ranks; use a --tp-size that divides it.")
+    problem = placement.expert_problem(config.num_experts, config.moe_intermediate_size,
+                                       ranks, ep_size)
+    return f"{config.architecture}: {problem}" if problem else None
+
+
 class MoEDecoderLayer(DecoderLayer):
     def feed_forward(self, config: ModelConfig, tp: TPGroup | None,
                      global_id: int) -> tuple[str, nn.Module]:
         if not config.is_moe_layer(global_id):
             return super().feed_forward(config, tp, global_id)
-        layout, c = LAYOUTS[config.architecture], config
-        experts = None if tp is None else rank_experts(
-            c.hidden_size, c.moe_intermediate_size, c.num_experts, layout.names, tp)[0]
-        return layout.block, SparseMoE(c.hidden_size, c.moe_intermediate_size, c.num_experts,
-                                       c.num_experts_per_tok, c.norm_topk_prob, layout.names,
-                                       layout.float32_weights, experts=experts, tp=tp)
+        return sparse_block(config, tp)
 
 
 class ExpertsForCausalLM(LlamaForCausalLM):
@@ -104,15 +127,35 @@ class ExpertsForCausalLM(LlamaForCausalLM):
         """Refuse a config this family cannot build (before anything is built)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None):
-        problem = self.parallel_problem(config, 1 if tp is None else tp.size,
-                                        1 if tp is None else getattr(tp, "ep_size", 1))
+        # data-parallel attention (engine.parallel.dp_attention): everything whole but the
+        # sparse blocks, which hold this rank's experts and run over every rank's tokens
+        dp = tp if getattr(tp, "dp_attention", False) else None
+        if dp is not None:
+            problem = dp_attention_problem(config, dp.size, dp.ep_size)
+            if pp is not None:
+                problem = "--enable-dp-attention with pipeline stages is not supported."
+            tp = None
+        else:
+            problem = self.parallel_problem(config, 1 if tp is None else tp.size,
+                                            1 if tp is None else getattr(tp, "ep_size", 1))
         if problem:
             raise EngineError(problem)
         self.check_config(config)
         super().__init__(config, tp, pp)
+        if dp is not None:
+            for global_id, layer in enumerate(self.model.layers):
+                if config.is_moe_layer(global_id):
+                    name, block = self.sparse_block(config, dp)
+                    setattr(layer, name, block)
+                    in_step(block, dp)
         # where this rank's routed experts are (None: one process, every expert whole)
-        self.experts_placement = None if tp is None or not config.num_experts else \
-            placement.expert_placement(config.num_experts, config.moe_intermediate_size, tp)
+        split = tp or dp
+        self.experts_placement = None if split is None or not config.num_experts else \
+            placement.expert_placement(config.num_experts, config.moe_intermediate_size, split)
+
+    def sparse_block(self, config: ModelConfig, tp: TPGroup) -> tuple[str, nn.Module]:
+        """(its name in a decoder layer, a sparse block of ``tp``'s rank's experts)."""
+        return sparse_block(config, tp)
 
     def other_rank_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` is another rank's: the loader skips it unread."""

@@ -3,6 +3,7 @@ then stop the replicas (each drains its in-flight requests for the grace period)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import uvicorn
@@ -19,11 +20,14 @@ logger = logging.getLogger("engine.router")
 
 def serve_dp(replica_args: list[str], options: RouterOptions, policy_name: str, host: str,
              port: int, api_key: str | None, grace: float, log_level: str = "info",
-             max_request_bytes: int = 32 << 20, config: dict | None = None) -> None:
+             max_request_bytes: int = 32 << 20, config: dict | None = None,
+             rank_args: list[list[str]] | None = None) -> None:
     """Serve ``options.dp_size`` replicas of ``engine serve <replica_args>`` behind one front
     on ``host``:``port``, routed by the registered routing policy ``policy_name``. ``config``:
     the replicas' EngineConfig keyword arguments (device, tp/pp sizes, memory fraction), for
-    each replica's share of the machine (:func:`replica_placements`)."""
+    each replica's share of the machine (:func:`replica_placements`). ``rank_args``: what
+    each replica's command line gets besides (--enable-dp-attention's ranks: their places
+    among each other; such replicas are not restarted, as they cannot rejoin the others)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     factory = get_registries().routing.get(policy_name).obj
     policy = factory(options)
@@ -32,7 +36,13 @@ def serve_dp(replica_args: list[str], options: RouterOptions, policy_name: str, 
                                                       config or {})
     except ValueError as e:  # too few GPUs for a device of their own per replica
         raise RuntimeError(str(e)) from None
-    replicas = ReplicaSet(options.dp_size, replica_args, api_key=api_key, placements=placements)
+    restarts = {}
+    if rank_args is not None:
+        placements = [dataclasses.replace(p, args=[*p.args, *extra])
+                      for p, extra in zip(placements, rank_args)]
+        restarts = {"max_restarts": 0}
+    replicas = ReplicaSet(options.dp_size, replica_args, api_key=api_key, placements=placements,
+                          **restarts)
     replicas.start()
     try:
         replicas.wait_ready()

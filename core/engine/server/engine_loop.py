@@ -13,6 +13,9 @@ from engine.server.handle import Delta
 
 logger = logging.getLogger("engine.server")
 IDLE_WAKE_S = 0.5  # idle ticks keep the throughput gauge falling to zero
+# a data-parallel attention rank with nothing to run checks this often whether another rank
+# runs a forward it must take part in (engine/parallel/dp_attention.py)
+DP_IDLE_WAKE_S = 0.002
 # failed steps in a row (no step succeeding in between) after which the engine is declared
 # unable to serve (/health 503) instead of failing every new request the same way
 MAX_FAILED_STEPS = 3
@@ -38,11 +41,14 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(self._fail_pending, message)
 
     def _serve(self) -> None:
-        scheduler = self.engine.scheduler
+        scheduler, runner = self.engine.scheduler, self.engine.runner
+        # --enable-dp-attention: every rank takes part in every rank's forward (dp_idle)
+        dp = getattr(runner, "dp", None) is not None
         while not self._stop and self.failed is None:
             self._wake.clear()
             ran = self._run_jobs()
             if scheduler.has_work:
+                forwards = runner.forwards
                 try:
                     touched = self.engine.step()
                 except Exception as e:  # a bug, not a bad request: fail loudly, keep serving
@@ -50,6 +56,11 @@ class EngineLoop:
                 else:
                     self._failed_steps = 0
                     self._publish(touched)
+                    if dp and runner.forwards == forwards:  # a step with no forward here
+                        runner.dp_idle()
+            elif dp:
+                if not runner.dp_idle() and not ran:
+                    self._wake.wait(DP_IDLE_WAKE_S)
             elif not ran:
                 self._wake.wait(IDLE_WAKE_S)
             if self.metrics is not None:
