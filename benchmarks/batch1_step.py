@@ -35,21 +35,32 @@ def parse_options(items: list[str]) -> dict:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="[default: the default model]")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=64)
+def profile_and_options(ap: argparse.ArgumentParser, rows: int) -> None:
+    """The options this benchmark and prompt_chunk.py share: the profiler's, the engine's."""
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table")
-    ap.add_argument("--rows", type=int, default=25, help="rows of the profiler table")
+    ap.add_argument("--rows", type=int, default=rows, help="rows of the profiler table")
     ap.add_argument("options", nargs="*", help="engine options key=value")
-    args = ap.parse_args(argv)
 
+
+def open_engine(args):
+    """An offline Engine on ``args.model`` (default: the default model) with ``args.options``;
+    prints its linear kernels."""
     from engine import Engine
     from engine.models.default import default_model_path
 
     engine = Engine(args.model or default_model_path(), **parse_options(args.options))
     print(engine.runner.linear_kernel)
+    return engine
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="[default: the default model]")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    profile_and_options(ap, rows=25)
+    args = ap.parse_args(argv)
+    engine = open_engine(args)
     print(f"torch threads: {torch.get_num_threads()}")
     ids = [(7 * i + 3) % 1000 + 100 for i in range(args.prompt_len)]
     params = {"temperature": 0, "max_new_tokens": args.steps + 16, "ignore_eos": True}

@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from batch1_step import parse_options
+from batch1_step import open_engine, profile_and_options
 
 
 def main(argv=None):
@@ -35,16 +35,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--compare", action="store_true",
                     help="alternate torch ops + SDPA, fused loops + SDPA, fused + the kernel")
-    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's table")
-    ap.add_argument("--rows", type=int, default=20, help="rows of the profiler table")
-    ap.add_argument("options", nargs="*", help="engine options key=value")
+    profile_and_options(ap, rows=20)
     args = ap.parse_args(argv)
-
-    from engine import Engine
-    from engine.models.default import default_model_path
-
-    engine = Engine(args.model or default_model_path(), **parse_options(args.options))
-    print(engine.runner.linear_kernel)
+    engine = open_engine(args)
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
 
     def chunk(seed: int) -> float:

@@ -68,6 +68,11 @@ def served(path: str, tmp_path, *flags: str) -> tuple[list[list[int]], str]:
         # a lone request: the other ranks have nothing to run and take part in its forwards
         alone = ask(0)
         assert alone == outs[0]
+        replicas = httpx.get(server.url + "/get_server_info", timeout=TIMEOUT).json()["replicas"]
+        ranks = [httpx.get(r["url"] + "/get_server_info", timeout=TIMEOUT).json()["dp_attention"]
+                 for r in replicas]
+        assert [r["rank"] for r in ranks] == list(range(len(replicas)))
+        assert all(r["size"] == len(replicas) for r in ranks)
         return outs, server.log()
     finally:
         assert server.stop() == 0, server.log()[-3000:]

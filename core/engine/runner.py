@@ -254,7 +254,6 @@ class ModelRunner:
                 out = self.model(batch, return_all_logits, **stage)
         return out.float() if self.is_last_stage else out
 
-
     def dp_idle(self) -> bool:
         """A data-parallel attention rank with nothing to run: its part in the other ranks'
         forward if one runs (the count exchange, then each MoE layer's collectives with no

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include "graph.h"
+#include "ek_math.h"
 
 int ek_graph_abi(void) { return EK_GRAPH_ABI; }
 
@@ -78,25 +79,6 @@ void ek_graph_run(ek_graph_t *g, int nthreads, int64_t rows, const int64_t *inpu
     }
 }
 
-/* ---------------------------------------------------------------- math */
-
-/* exp(x) for a vectorizing loop: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a degree-6
- * polynomial (relative error ~2e-7, as expf), saturating to 0 / inf outside +-87. */
-static inline float vexp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } s;
-    s.i = ((int32_t)n + 127) << 23;
-    return p * s.f;
-}
 
 /* ---------------------------------------------------------------- nodes */
 
@@ -211,7 +193,7 @@ void ek_node_silu_mul(const void *a_, const ek_step_t *s, int tid, int nth) {
         const float *g = a->gate_up + r * a->ldg, *u = g + a->inter;
         float *o = a->out + r * a->ldo;
 #pragma omp simd
-        for (int64_t i = c0; i < c1; i++) o[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+        for (int64_t i = c0; i < c1; i++) o[i] = g[i] / (1.0f + ek_vexp(-g[i])) * u[i];
     }
 }
 

@@ -27,16 +27,24 @@ def include_dir() -> str:
     return str(HERE)
 
 
+MATH = HERE / "ek_math.h"  # the scalar exp graph.c and layers/cpu_fused.c share
+
+
 def header_key() -> str:
     """What a library that includes graph.h keys its build on (its text)."""
     return HEADER.read_text()
+
+
+def math_key() -> str:
+    """What a library that includes ek_math.h keys its build on (its text)."""
+    return MATH.read_text()
 
 
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """The loaded library; raises BuildError with the reason."""
     target = build_library(SOURCE, FLAGS, "the CPU graph executor",
-                           key_extra=header_key() + cpu_flags())
+                           key_extra=header_key() + math_key() + cpu_flags())
     lib = ctypes.CDLL(str(target))
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     sigs = {

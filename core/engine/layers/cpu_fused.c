@@ -12,23 +12,7 @@
 #include <stdint.h>
 #include <omp.h>
 
-/* exp(x) for a vectorizing loop: 2^n * p(r), r = x - n ln 2, a degree-6 polynomial (relative
- * error ~2e-7, as expf), saturating outside +-87 (graph.c's, repeated: each library stands alone) */
-static inline float vexp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } s;
-    s.i = ((int32_t)n + 127) << 23;
-    return p * s.f;
-}
+#include "ek_math.h" /* engine/cpu_graph: the exp graph.c's SiLU uses */
 
 /* out = w * (h / rms(h)) per row, h = x + add (written to h) when add is given, else h = x */
 void ek_rms_norm(const float *x, int64_t ldx, const float *add, int64_t lda, float *h,
@@ -62,7 +46,7 @@ void ek_silu_mul(const float *gate, int64_t ldg, const float *up, int64_t ldu, f
         const float *g = gate + r * ldg, *u = up + r * ldu;
         float *o = out + r * ldo;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + ek_vexp(-g[i])) * u[i];
     }
 }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch  # loaded first, so the library's OpenMP dependency resolves to torch's own runtime
 
+from engine.cpu_graph.native import include_dir, math_key
 from engine.native import build_library, cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
@@ -24,8 +25,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errn
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """The loaded library; raises engine.native.BuildError with the reason."""
-    lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS, "the fused CPU layers",
-                                        key_extra=cpu_flags())))
+    lib = ctypes.CDLL(str(build_library(SOURCE, [*FLAGS, "-I", include_dir()],
+                                        "the fused CPU layers",
+                                        key_extra=cpu_flags() + math_key())))
     P, I64, INT, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.ek_rms_norm.argtypes = [P, I64, P, I64, P, I64, P, I64, I64, F, P, I64, INT]
     lib.ek_silu_mul.argtypes = [P, I64, P, I64, P, I64, I64, I64, INT]

@@ -108,6 +108,12 @@ async def server_info(request: Request):
     info["moe_kernel"] = getattr(engine.runner, "moe_kernel", "") or None
     if getattr(engine, "parallel", None) is not None:  # tp x pp ranks: each one's place
         info["parallel"] = engine.runner.info()
+    dp = getattr(engine.runner, "dp", None)
+    if dp is not None:  # --enable-dp-attention: this rank's place, where its experts are
+        place = engine.runner.model.experts_placement
+        info["dp_attention"] = {"rank": dp.rank, "size": dp.size, "ep_size": dp.ep_size,
+                                "experts_per_rank": place.per_rank,
+                                "num_experts": place.num_experts}
     info["prefill_oom_errors"] = engine.scheduler.counters.prefill_oom_errors
     info["available_memory_at_start_gb"] = round(
         getattr(engine, "available_memory", 0) / (1 << 30), 2)

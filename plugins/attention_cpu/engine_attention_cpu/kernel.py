@@ -82,7 +82,7 @@ def prompt_attention(q: torch.Tensor, out: torch.Tensor, q_start: torch.Tensor,
     q, out: float32 [T, H, D], heads contiguous (rows may be further apart: a view of qkv);
     q_start, ext, prefix, rows: int64 [B] contiguous; D a multiple of 16 up to 128
     (prompt_shape_ok)."""
-    T, H, D = q.shape
+    H, D = q.shape[1:]
     assert q.dtype == out.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == D
     assert out.stride(2) == 1 and out.stride(1) == D and k_pool.dtype == v_pool.dtype
     for t in (q_start, ext, prefix, rows):
