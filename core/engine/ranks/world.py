@@ -76,9 +76,32 @@ def join_world(config, topo: Topology, rank: int, store, strategy, num_layers: i
     return RankContext(topo, rank, store, control, tp, stage)
 
 
+# a join given up on (a local rank exited): its thread waits on until --dist-timeout
+_abandoned: threading.Thread | None = None
+
+
+def _forget_abandoned_join() -> None:
+    """Before joining again in this process: let a join given up on end (its wait is bounded
+    by --dist-timeout), then start torch.distributed's group numbering over, as a fresh
+    worker's is (the ended join counted a group: the next one's name would not match the
+    workers', and joining would wait for keys they never write)."""
+    global _abandoned
+    if _abandoned is not None:
+        _abandoned.join()
+        _abandoned = None
+    if not dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        world = getattr(distributed_c10d, "_world", None)
+        if world is not None and hasattr(world, "group_count"):
+            world.group_count = 0
+
+
 def _join(strategy, rank: int, world: int, store, timeout_s: int, describe_local) -> str | None:
     """``strategy.init_rank`` on a thread, so that a local rank that exits meanwhile ends the
     wait at once (named) instead of after the whole timeout; None once joined."""
+    global _abandoned
+    _forget_abandoned_join()
     failed: list[str] = []
 
     def join():
@@ -92,6 +115,7 @@ def _join(strategy, rank: int, world: int, store, timeout_s: int, describe_local
     while thread.is_alive():
         thread.join(0.5)
         if thread.is_alive() and describe_local and describe_local():
+            _abandoned = thread
             return "gave up waiting for it"
     return failed[0] if failed else None
 
