@@ -79,7 +79,6 @@ void ek_graph_run(ek_graph_t *g, int nthreads, int64_t rows, const int64_t *inpu
     }
 }
 
-
 /* ---------------------------------------------------------------- nodes */
 
 typedef struct {

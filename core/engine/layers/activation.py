@@ -18,50 +18,55 @@ import torch.nn.functional as F
 
 NORM_KERNEL_ENV = "ENGINE_NORM_KERNEL"  # "torch": the eager ops on a GPU too
 log = logging.getLogger("engine")
-_ops = None  # layers/fused_triton once imported; False where it cannot be
+# where -> the kernels' module once loaded, or False where they cannot be (said once)
+_loaded: dict[str, object] = {}
+
+
+def _kernels(where: str, load):
+    """The fused kernels for ``where`` ("GPU", "CPU"): ``load()``'s module, loaded once, or None
+    where the eager ops run (ENGINE_NORM_KERNEL=torch, under torch.compile, or ``load`` raised:
+    its reason is logged once)."""
+    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch" or torch.compiler.is_compiling():
+        return None  # (under torch.compile the compiler fuses the eager ops itself)
+    if where not in _loaded:
+        _loaded[where] = False
+        try:
+            _loaded[where] = load()
+        except Exception as exc:  # noqa: BLE001 (no triton or C compiler, a failed build)
+            log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch ops "
+                        "on the %s: %s", where, exc)
+    return _loaded[where] or None
+
+
+def _load_triton():
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError("triton is not installed (pip install triton) for their fused kernels")
+    try:
+        import engine.layers.fused_triton as ops
+    except Exception as exc:  # a broken triton install
+        raise ImportError(f"their Triton kernels did not import ({type(exc).__name__}: "
+                          f"{exc})") from exc
+    return ops
+
+
+def _load_c():
+    try:
+        import engine.layers.cpu_fused as ops
+
+        ops.load()
+    except Exception as exc:  # no C compiler, a failed build
+        raise ImportError(f"their C loops did not load ({type(exc).__name__}: {exc})") from exc
+    return ops
 
 
 def gpu_ops():
     """layers/fused_triton, or None where the eager ops run (asked only for CUDA tensors)."""
-    global _ops
-    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch" or torch.compiler.is_compiling():
-        return None  # (under torch.compile the compiler fuses the eager ops itself)
-    if _ops is None:
-        _ops = False
-        if importlib.util.find_spec("triton") is None:
-            log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch ops "
-                        "on the GPU: triton is not installed (pip install triton) for their "
-                        "fused kernels")
-        else:
-            try:
-                import engine.layers.fused_triton as ops
-                _ops = ops
-            except Exception as exc:  # noqa: BLE001 (a broken triton install: said once)
-                log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch "
-                            "ops on the GPU: their Triton kernels did not import (%s: %s)",
-                            type(exc).__name__, exc)
-    return _ops or None
-
-
-_cpu = None  # layers/cpu_fused once its library loaded; False where it cannot
+    return _kernels("GPU", _load_triton)
 
 
 def cpu_ops():
     """layers/cpu_fused, or None where the eager ops run (asked only for CPU tensors)."""
-    global _cpu
-    if os.environ.get(NORM_KERNEL_ENV, "auto") == "torch" or torch.compiler.is_compiling():
-        return None
-    if _cpu is None:
-        _cpu = False
-        try:
-            import engine.layers.cpu_fused as ops
-            ops.load()
-            _cpu = ops
-        except Exception as exc:  # noqa: BLE001 (no C compiler, a failed build: said once)
-            log.warning("RMSNorm, SiLU-and-mul and the rotary embedding run as eager torch ops "
-                        "on the CPU: their C loops did not load (%s: %s)",
-                        type(exc).__name__, exc)
-    return _cpu or None
+    return _kernels("CPU", _load_c)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

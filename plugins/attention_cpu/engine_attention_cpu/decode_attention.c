@@ -423,19 +423,9 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
                      float scale, float k_scale, float v_scale, int nthreads) {
     if (bad_shape(H, KVH, D)) return 1;
     if (nthreads < 1) nthreads = 1;
-    /* the split chunks' scratch, kept per calling thread (no allocation per call) */
-    static __thread float *partial_cache = NULL;
-    static __thread size_t partial_cap = 0;
-    float *partial = NULL;
-    if (B < 4 * nthreads) {
-        const size_t bytes = partial_bytes(H, D);
-        if (bytes > partial_cap) {
-            free(partial_cache);
-            partial_cache = malloc(bytes);
-            partial_cap = partial_cache ? bytes : 0;
-        }
-        partial = partial_cache;
-    }
+    /* the split chunks' scratch, kept per calling thread */
+    static __thread kept_t partial_kept;
+    float *partial = B < 4 * nthreads ? kept_bytes(&partial_kept, partial_bytes(H, D)) : NULL;
     const prob_t p = {q, H * D, q_tokens, out, H * D, NULL, NULL, 0, NULL, 0, k_pool, v_pool,
                       dtype, req_to_token, table_stride, rows, seq_lens, B, H, KVH, D, window,
                       scale, k_scale, v_scale, partial};

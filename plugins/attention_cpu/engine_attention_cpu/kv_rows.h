@@ -5,12 +5,30 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* a scratch buffer kept between calls (in a __thread variable: one per thread), grown when a
+ * call needs more, never freed: no allocation per call */
+typedef struct {
+    void *p;
+    size_t cap;
+} kept_t;
+
+/* at least `bytes` of k's buffer; NULL out of memory */
+static inline void *kept_bytes(kept_t *k, size_t bytes) {
+    if (bytes > k->cap) {
+        free(k->p);
+        k->p = malloc(bytes);
+        k->cap = k->p ? bytes : 0;
+    }
+    return k->p;
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;

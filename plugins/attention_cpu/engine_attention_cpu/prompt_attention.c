@@ -193,7 +193,8 @@ int prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo,
     if (D % 16 != 0 || D > 128 || KVH <= 0 || H % KVH != 0 || H / KVH > 64) return 1;
     int64_t n = 0;
     for (int64_t b = 0; b < B; b++) n += KVH * ((ext[b] + QT - 1) / QT);
-    item_t *items = malloc((size_t)(n ? n : 1) * sizeof(item_t));
+    static __thread kept_t items_kept;
+    item_t *items = kept_bytes(&items_kept, (size_t)(n ? n : 1) * sizeof(item_t));
     if (!items) return 2;
     n = 0;
     for (int64_t b = 0; b < B; b++)
@@ -213,9 +214,11 @@ int prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo,
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* per thread: the rows' scaled queries, accumulators and softmax state, the block's
-         * transposed K and converted V rows */
-        float *buf = malloc(sizeof(float) * (size_t)(2 * M * D + 2 * M + 16 * D + (KB + 1) * D));
+        /* per thread, kept between calls: the rows' scaled queries, accumulators and softmax
+         * state, the block's transposed K and converted V rows */
+        static __thread kept_t buf_kept;
+        float *buf = kept_bytes(&buf_kept, sizeof(float) * (size_t)(2 * M * D + 2 * M + 16 * D
+                                                                    + (KB + 1) * D));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -226,8 +229,6 @@ int prompt_attention(const float *q, int64_t ldq, float *out, int64_t ldo,
             float *qs = buf, *acc = qs + M * D, *m = acc + M * D, *l = m + M, *kt = l + M;
             attend_item(&p, &items[i], qs, acc, m, l, kt, kt + 16 * D);
         }
-        free(buf);
     }
-    free(items);
     return failed ? 2 : 0;
 }
