@@ -137,3 +137,13 @@ def test_a_dense_model_is_refused(tiny_model_factory):
                                       "--tp-size", "2"])
     assert result.exit_code == 2 and "for mixture-of-experts models" in result.output and \
         "--dp-size 2 replicas instead" in result.output, result.output
+
+
+@pytest.mark.parametrize("kwargs", [{"dp_attention_rank": 0, "dp_attention_size": 2},
+                                    {"dp_attention_init": "tcp://127.0.0.1:1"},
+                                    {"dp_attention_size": 2}])
+def test_a_ranks_own_flags_are_the_fronts_to_give(kwargs):
+    from engine.config import EngineConfig
+
+    with pytest.raises(EngineError, match="set by `engine serve --enable-dp-attention`"):
+        EngineConfig(**kwargs).validate()

@@ -257,6 +257,9 @@ class EngineConfig:
                  "--dp-attention-rank/-size/-init are set by `engine serve "
                  "--enable-dp-attention` for each rank it starts; do not give them.")
             return
+        need(self.dp_attention_size == 1 and self.dp_attention_init is None,
+             "--dp-attention-size/-init are set by `engine serve --enable-dp-attention` with "
+             "--dp-attention-rank for each rank it starts; do not give them.")
         if not self.enable_dp_attention:
             return
         need(self.tp_size > 1,

@@ -50,6 +50,7 @@ class ModelRunner:
             tp = None
         self.device, self.tp, self.pp = device, tp, pp
         self.forwards = 0  # forwards run (the engine loop's idle steps tell one from none)
+        self._dp_blocks = None  # dp_idle's MoE blocks, found once
         self.checkpoint = ckpt = open_checkpoint(model) if isinstance(model, str) else model
         self.model_config = ModelConfig.from_checkpoint(
             ckpt, registries.models if model_cls is None else None)
@@ -260,14 +261,15 @@ class ModelRunner:
         tokens of its own). False when no rank had tokens (nothing ran)."""
         if not any(self.dp.begin(0)):
             return False
-        from engine.layers.moe import SparseMoE
+        if self._dp_blocks is None:  # the MoE blocks in the order a forward runs them
+            from engine.layers.moe import SparseMoE
 
+            self._dp_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
         x = torch.zeros(0, self.model_config.hidden_size, dtype=self.dtype,
                         device=self.device.torch_device)
         with torch.inference_mode():
-            for block in self.model.modules():
-                if isinstance(block, SparseMoE):
-                    block(x)
+            for block in self._dp_blocks:
+                block(x)
         return True
 
 

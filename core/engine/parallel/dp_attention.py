@@ -10,8 +10,8 @@ ranks run their forwards in step:
 - each MoE layer gathers every rank's tokens (padded to the largest count, one all-gather),
   computes its experts' share for all of them (the same routing on every rank), sums the
   shares (the tp block's one all-reduce) and keeps its own tokens' rows;
-- a rank with nothing to run while another runs calls ``idle``: the same count exchange, then
-  each MoE layer's collectives with no tokens of its own.
+- a rank with nothing to run while another runs takes part through ``ModelRunner.dp_idle``:
+  the same count exchange, then each MoE layer's collectives with no tokens of its own.
 
 An all-gather of tokens before the experts and each rank's slice after, rather than a
 dispatch and combine all-to-all: with the experts cut as the tp group cuts them, every rank
@@ -26,8 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.errors import EngineError
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, init_tp_group
 
 
 class DPAttentionGroup(TPGroup):
@@ -71,11 +70,7 @@ def init_dp_attention_group(backend: str, rank: int, size: int, init_method: str
     """Join the ``size`` data-parallel attention ranks as ``rank`` (``init_method``:
     ``tcp://host:port``, where they meet); ``timeout`` bounds the joining and every
     collective (a rank that is gone ends its peers' waits with an error)."""
-    if not dist.is_available():
-        raise EngineError("--enable-dp-attention needs torch.distributed, which this torch "
-                          "build lacks.")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timeout)
+    init_tp_group(backend, rank, size, init_method, timeout)  # the default process group
     return DPAttentionGroup(rank, size, ep_size=ep_size, device=device)
 
 
