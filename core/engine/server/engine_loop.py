@@ -57,14 +57,31 @@ class EngineLoop:
                     self._failed_steps = 0
                     self._publish(touched)
                     if dp and runner.forwards == forwards:  # a step with no forward here
-                        runner.dp_idle()
+                        self._dp_idle()
             elif dp:
-                if not runner.dp_idle() and not ran:
+                if not self._dp_idle() and not ran:
                     self._wake.wait(DP_IDLE_WAKE_S)
             elif not ran:
                 self._wake.wait(IDLE_WAKE_S)
             if self.metrics is not None:
                 self.metrics.sync(scheduler)
+
+    def _dp_idle(self) -> bool:
+        """This rank's part in the other data-parallel attention ranks' forward (ModelRunner.
+        dp_idle). The ranks' collectives fail once another rank is gone: on the way out
+        (draining or stopping, the ranks leave together) that is the end of the loop;
+        otherwise the engine cannot serve any more (/health 503), said once with the reason
+        rather than as a crash."""
+        try:
+            return self.engine.runner.dp_idle()
+        except RuntimeError as e:
+            if not (self._stop or self.draining):
+                self.failed = (f"the engine cannot serve: another data-parallel attention rank "
+                               f"is gone ({str(e).splitlines()[0][:200]}); every rank must run, "
+                               f"so restart the engine")
+                logger.error(self.failed)
+            self._stop = True
+            return False
 
     def _step_failed(self, e: Exception) -> None:
         """Abort every request in flight with the error, then make sure the engine can go on:
