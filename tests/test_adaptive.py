@@ -243,6 +243,29 @@ def test_peak_admission_never_admits_past_the_pool_in_expectation(seed):
     assert plan.committed <= pool - sum(r.seq_len for r in running) + 1e-6
 
 
+def test_the_peak_never_reserves_more_than_every_request_running_to_its_max():
+    """z·σ and the model risk bound an uncertainty that ends at max_new_tokens: with a curve
+    that cannot tell short from long (half the finished at 5%, half at 100%) and the largest z
+    and risk, E + z·σ passes the worst case, and the peak stops there."""
+    ratio = AdaptiveRatio()
+    for i in range(40):
+        ratio.finished(req(10 if i % 2 else 200, 200, arrival=i, reason="stop"))
+    running = [req(g, 200, prompt=30, arrival=40 + i) for i, g in enumerate((5, 40, 80, 120))]
+    rows = Rows.of(running)
+    plan = PeakPlan(ratio.curve(rows), rows, 0.0, z=4.0, risk=1.0)
+    safe = plan.mean + plan.z * np.sqrt(plan.var)
+    assert safe.max() > plan.worst.max()  # the cap is what holds the peak down here
+    assert plan.peak == pytest.approx(max(np.minimum(safe, plan.worst).max(), 0.0))
+    # the worst case by brute force: alive until max_new_tokens, then its slots given back
+    width = plan.horizon / (len(plan.t) - 1)
+    brute = max(sum(t if t < 200 - len(r.output_ids) else -r.seq_len for r in running)
+                for t in range(201))
+    assert brute <= plan.worst.max() <= brute + len(running) * width
+    # a candidate raises the peak by at most its own worst case (prompt + max_new_tokens)
+    cand = req(0, 200, prompt=30, arrival=50)
+    assert plan.reservation(cand, 30) <= 200 + 1e-6
+
+
 def early(finished: int) -> float:
     """The risk a ratio holds after ``finished`` requests and nothing else: MODEL_RISK plus the
     early risk, halved every EARLY_HALF of them."""

@@ -19,7 +19,8 @@ the predicted *peak* of that usage, with it added, fits the pool:
   probability q(t) = S(p + t/max_new) / S(p) (0 once it reaches max_new_tokens), holding t more
   slots; a finished one gives back what it held. Over a grid of horizons up to the longest
   remaining output, E[Δused(t)] and Var[Δused(t)] are sums over the running requests (and the
-  ones admitted this step); a candidate is admitted when max_t E + z·σ still fits.
+  ones admitted this step); a candidate is admitted when max_t E + z·σ still fits (never counted
+  above the worst case, every request running to its max_new_tokens: the safety terms end there).
 - z, the safety term on that variance, prices a retraction: admitting now rather than at the
   next chance (when the next request is expected to finish) gains about that many steps of one
   more row, while a retraction makes the engine recompute its victim's prompt and generated

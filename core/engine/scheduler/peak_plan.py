@@ -36,8 +36,8 @@ class PeakPlan:
     def _build(self) -> None:
         self.t = np.linspace(0.0, self.horizon, GRID)
         self.t_next = np.append(self.t[1:], self.horizon)
-        self.mean, self.var, self.finishes = self.moments(self.rows)
-        self.peak = self._peak(self.mean, self.var)
+        self.mean, self.var, self.finishes, self.worst = self.moments(self.rows)
+        self.peak = self._peak(self.mean, self.var, self.worst)
 
     def moments(self, rows: Rows):
         """E and Var of the usage change at each horizon, summed over ``rows``, and the
@@ -47,7 +47,7 @@ class PeakPlan:
         The mean includes the model risk: ``risk`` x (1 - q) x the slots it would hold if it
         ran on, summed over requests (the curve misleads about all of them at once)."""
         if len(rows.p) == 0:
-            return np.zeros(GRID), np.zeros(GRID), np.zeros(GRID)
+            return np.zeros(GRID), np.zeros(GRID), np.zeros(GRID), np.zeros(GRID)
         q = self.alive(rows, self.t)
         live = self.t[None, :] < rows.rem[:, None]
         # an upper bound over [t_j, t_j+1]: alive as at t_j, grown as at t_j+1 (or its end),
@@ -57,7 +57,10 @@ class PeakPlan:
         mean = q * spread - rows.own[:, None]
         var = q * (1 - q) * spread ** 2
         gap = np.where(live, (1 - q) * spread, 0.0)
-        return mean.sum(0) + self.risk * gap.sum(0), var.sum(0), self.per_bin(q)
+        # the most it can be: every request alive until max_new_tokens ends it
+        worst = np.where(live, spread, 0.0) - rows.own[:, None]
+        return (mean.sum(0) + self.risk * gap.sum(0), var.sum(0), self.per_bin(q),
+                worst.sum(0))
 
     def alive(self, rows: Rows, t: np.ndarray) -> np.ndarray:
         """[rows, len(t)]: the probability that each request is still running t steps from
@@ -74,8 +77,10 @@ class PeakPlan:
         qs = q.sum(0)
         return np.append(qs[:-1] - qs[1:], qs[-1])
 
-    def _peak(self, mean, var) -> float:
-        return float(max((mean + self.z * np.sqrt(var)).max(), 0.0))
+    def _peak(self, mean, var, worst) -> float:
+        """The peak over the horizons of E + z·σ, never above the worst case (every request
+        running to its max_new_tokens): the safety terms bound an uncertainty that ends there."""
+        return float(max(np.minimum(mean + self.z * np.sqrt(var), worst).max(), 0.0))
 
     def reservation(self, req, extend: int) -> float:
         if not req.params.max_new_tokens:
@@ -84,12 +89,13 @@ class PeakPlan:
         if cand.rem[0] > self.horizon:  # it may run longer than any running request: widen
             self.horizon = float(cand.rem[0])
             self._build()
-        mean, var, finishes = self.moments(cand)
-        self._last = (req, extend, cand, mean, var, finishes)  # ``admitted`` adds these
+        mean, var, finishes, worst = self.moments(cand)
+        self._last = (req, extend, cand, mean, var, finishes, worst)  # ``admitted`` adds these
         if self.crowded(cand, finishes):
             return float("inf")  # not this step: it would finish in a crowd
         # against the peak already promised (a wider grid may have moved self.peak)
-        return self._peak(self.mean + mean, self.var + var) - self.committed - extend
+        return (self._peak(self.mean + mean, self.var + var, self.worst + worst)
+                - self.committed - extend)
 
     def spacing(self, cand: Rows) -> float:
         """Steps between two finishes when the pool is kept full of requests like ``cand``
@@ -130,11 +136,11 @@ class PeakPlan:
         last = getattr(self, "_last", None)
         if last is None or last[0] is not req or last[1] != extend:
             self.reservation(req, extend)
-        _, _, cand, mean, var, finishes = self._last
+        _, _, cand, mean, var, finishes, worst = self._last
         self.rows = self.rows.plus(cand)
-        self.mean, self.var = self.mean + mean, self.var + var
+        self.mean, self.var, self.worst = self.mean + mean, self.var + var, self.worst + worst
         self.finishes = self.finishes + finishes
-        self.peak = self._peak(self.mean, self.var)
+        self.peak = self._peak(self.mean, self.var, self.worst)
         self.committed = self.peak
 
 
