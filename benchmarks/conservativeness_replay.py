@@ -42,7 +42,9 @@ import json
 import logging
 import os
 import random
+import statistics
 import tempfile
+import time
 
 import torch
 from adaptive_conservativeness import workload
@@ -55,7 +57,8 @@ from engine_testing.checkpoints import make_tiny_model
 RECORD = os.path.join(tempfile.gettempdir(), "engine-conservativeness-lengths.json")
 MAX_NEW = 400
 # ms per step, per decoded row, per prompt token: SmolLM2's Q4_1 default on a 2-core Zen 4
-# EPYC (2026-11-28, --calibrate: 1 row 4.4 ms, 16 rows 30.9 ms, 512 prompt tokens 577 ms)
+# EPYC (2026-11-28, timed as calibrate() does: 1 row 4.4 ms, 16 rows 30.9 ms, 512 prompt
+# tokens 577 ms; a --calibrate run later the same hour gave 3.12, 1.82, 1.412)
 STEP_COST = (2.6, 1.77, 1.13)
 ORDER_BLOCK = 10  # --orders shuffles requests within blocks of this many arrivals
 RECORDED = {"fruits": "fruits", "early-eos": "early-eos", "full-length": "early-eos",
@@ -90,7 +93,6 @@ def order(n: int, seed: int) -> list[int]:
 def calibrate(path: str) -> tuple[float, float, float]:
     """The real model's step cost here: median decode steps of 1 and 16 rows (a line through
     them: FIXED + ROW x rows) and one 512-token prompt (PROMPT per token, less FIXED)."""
-    import time
     engine = Engine(path, max_total_tokens=16 * 200)
     step_ms = {}
     for rows in (1, 16):
@@ -103,7 +105,7 @@ def calibrate(path: str) -> tuple[float, float, float]:
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-        step_ms[rows] = sorted(times)[len(times) // 2] * 1e3
+        step_ms[rows] = statistics.median(times) * 1e3
     row = (step_ms[16] - step_ms[1]) / 15
     fixed = max(step_ms[1] - row, 0.0)
     engine.add_request([10 + (j * 13) % 900 for j in range(512)],
@@ -204,9 +206,13 @@ def main() -> None:
                             intermediate_size=128, num_hidden_layers=1)
     print(f"replay of SmolLM2's {args.workload} lengths: {len(lengths)} requests, max_new_tokens "
           f"{MAX_NEW}, --max-total-tokens {args.max_total_tokens}")
+    def spread(ratios) -> str:  # each order's ratio, min and max (with --orders)
+        if ratios is None:
+            return f" {'min x':>6} {'max x':>6}" if args.orders > 1 else ""
+        return f" {min(ratios):>6.2f} {max(ratios):>6.2f}" if args.orders > 1 else ""
+
     print(f"{'setting':>8} {'steps':>7} {'tok/step':>8} {'usage(q>0)':>10} {'retracted':>9} "
-          f"{'tok/step x':>10}" + (f" {'min x':>6} {'max x':>6}" if args.orders > 1 else "")
-          + f" {'cpu time':>9} {'cpu x':>6}" + (f" {'min x':>6} {'max x':>6}" if args.orders > 1 else ""))
+          f"{'tok/step x':>10}{spread(None)} {'cpu time':>9} {'cpu x':>6}{spread(None)}")
     base = base_cpu = None
     for c in args.settings.split(","):
         runs = [replay(model, args.workload, lengths, real, c if c == "auto" else float(c),
@@ -220,13 +226,10 @@ def main() -> None:
         line = (f"{c:>8} {sum(r['steps'] for r in runs) / len(runs):>7.0f} {mean:>8.2f} "
                 f"{sum(r['usage'] for r in runs) / len(runs):>10.3f} "
                 f"{sum(r['retracted'] for r in runs) / len(runs):>9.1f} "
-                f"{mean / (sum(base) / len(base)):>10.2f}")
-        if args.orders > 1:
-            line += f" {min(ratios):>6.2f} {max(ratios):>6.2f}"
-        line += f" {sum(cpu) / len(cpu):>8.1f}s {sum(base_cpu) / sum(cpu):>6.2f}"
-        if args.orders > 1:
-            line += f" {min(cpu_ratios):>6.2f} {max(cpu_ratios):>6.2f}"
-        print(line, flush=True)
+                f"{mean / (sum(base) / len(base)):>10.2f}{spread(ratios)} "
+                f"{sum(cpu) / len(cpu):>8.1f}s {sum(base_cpu) / sum(cpu):>6.2f}")
+        print(line + spread(cpu_ratios), flush=True)
+
 
 if __name__ == "__main__":
     main()
