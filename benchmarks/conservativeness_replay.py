@@ -124,6 +124,14 @@ def replay(model: str, kind: str, lengths: list[int], real_prompts, conservative
                     schedule_conservativeness=conservativeness)
     s = engine.scheduler
     eos = min(s.eos_ids)
+    observe = s.ratio.observe
+
+    def timed(st):  # each step takes the priced machine's time: what auto learns its cost from
+        if st.seconds is not None:
+            st.seconds = (cost[0] + cost[1] * st.generated_tokens + cost[2] * st.new_tokens) / 1e3
+        observe(st)
+
+    s.ratio.observe = timed
     n = len(lengths)
     target = {}
     reqs = []

@@ -9,7 +9,7 @@ from engine.config import ConfigError, EngineConfig
 import numpy as np
 
 from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, MODEL_RISK,
-                                       AdaptiveRatio, FloorPlan, PeakPlan, Rows,
+                                       Z_MIN, AdaptiveRatio, FloorPlan, PeakPlan, Rows,
                                        SurvivalCurve, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
 
@@ -446,3 +446,92 @@ def test_the_floor_does_not_override_pacing():
     plan.admitted(first, 10)
     assert NewTokenRatio(1.0).plan([first]).reservation(second, 10) < 1024  # 1.0 would
     assert plan.reservation(second, 10) == float("inf")
+
+
+def test_the_step_cost_fit_recovers_a_machines_cost_and_starts_from_its_prior():
+    from engine.scheduler.step_cost import StepCostFit
+
+    fit = StepCostFit()
+    assert fit.cost().tolist() == [0.0, 0.0, 0.0]
+    rng = random.Random(0)
+    for _ in range(300):  # a CPU-like machine: 2.6 ms + 1.8 ms a row + 1.1 ms a prompt token
+        rows = rng.randint(1, 16)
+        prompt = rng.choice([0, 0, 0, rng.randint(10, 512)])
+        fit.observe(rows, prompt, (2.6 + 1.8 * rows + 1.1 * prompt) / 1e3)
+    assert fit.cost() * 1e3 == pytest.approx([2.6, 1.8, 1.1], rel=0.03)
+    assert fit.describe().startswith("step 2.6") and "ms/row + 1.1" in fit.describe()
+    fit.observe(8, 0, 10.0)  # a step held up 500x: counted as OUTLIER x the fit's time
+    assert fit.cost() * 1e3 == pytest.approx([2.6, 1.8, 1.1], rel=0.15)
+    one_shape = StepCostFit()  # steps of one shape cannot tell the three apart: the prior holds
+    for _ in range(50):
+        one_shape.observe(4, 0, 0.012)
+    fixed, row, prompt = one_shape.cost()
+    assert fixed + 4 * row == pytest.approx(0.012, rel=0.01)
+    assert fixed > 0 and row > 0 and prompt > 0
+
+
+def timed_ratio(machine) -> AdaptiveRatio:
+    """An auto ratio that has seen 200 steps of ``machine`` (ms: fixed, per row, per prompt
+    token)."""
+    from types import SimpleNamespace
+
+    ratio = AdaptiveRatio()
+    rng = random.Random(1)
+    for _ in range(200):
+        n, prompt = rng.randint(1, 16), rng.choice([0, 0, rng.randint(10, 400)])
+        ratio.observe(SimpleNamespace(forward_mode="mixed" if prompt else "decode",
+                                      generated_tokens=n, new_tokens=prompt,
+                                      seconds=(machine[0] + machine[1] * n
+                                               + machine[2] * prompt) / 1e3))
+    return ratio
+
+
+def priced(machine, rows=8, victim=(40, 100, 200)) -> float:
+    """auto's z for ``rows`` running requests on ``machine`` (timed_ratio)."""
+    ratio = timed_ratio(machine)
+    for i in range(40):
+        ratio.finished(req(30 + i, 200, arrival=i, reason="stop"))
+    running = [req(victim[0] + 10 * i, 200, prompt=victim[1], arrival=40 + i)
+               for i in range(rows)]
+    r = Rows.of(running)
+    return ratio.priced_z(ratio.curve(r), r)
+
+
+def test_a_retraction_is_priced_with_the_machines_own_step_cost():
+    """A CPU pays for every prompt token recomputed and gains little from one more row; a
+    GPU's small batches cost the same whatever they hold and its prompts little: auto risks
+    an overflow there, and holds back here (a higher z)."""
+    cpu = priced((2.6, 1.8, 1.1))
+    gpu = priced((8.0, 0.02, 0.01))
+    untimed = AdaptiveRatio()
+    assert untimed.recompute_price(8) == 1.0  # nothing timed: a prompt token = a row-step
+    assert cpu > gpu
+    assert gpu == pytest.approx(Z_MIN, abs=0.3)
+    assert "ms/row" in untimed.describe()
+    assert timed_ratio((2.6, 1.8, 1.1)).recompute_price(8) == 1.0  # never dearer than a row-step
+
+
+def test_where_recomputing_is_nearly_free_a_retraction_keeps_the_floor_and_the_risk():
+    """After a retraction auto turns 1.0's floor off until the batch turned over and raises
+    its model risk by the victims' recompute; both in proportion to what a recomputed token
+    costs here, so a machine whose prompts are nearly free keeps overcommitting as 1.0 does."""
+    running = [req(50, 100, prompt=50) for _ in range(8)]
+    victims = [req(20, 100, prompt=50)]
+    for machine, floor_kept in (((8.0, 0.02, 0.001), True), ((2.6, 1.8, 1.1), False)):
+        ratio = timed_ratio(machine)
+        for i in range(40):
+            ratio.finished(req(30, 100, arrival=i, reason="stop"))
+        assert isinstance(ratio.plan(running), FloorPlan)
+        old, new = ratio.after_retraction(running, victims)
+        assert isinstance(ratio.plan(running), FloorPlan) is floor_kept
+        assert bool(new - old < 0.01) is floor_kept
+
+
+def test_the_scheduler_times_each_step_that_ran(model):
+    engine = Engine(model, device="cpu", max_total_tokens=512, schedule_conservativeness="auto")
+    seen = []
+    engine.scheduler.on_step = seen.append
+    engine.add_request([5, 6, 7], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    drain(engine, 50)
+    assert seen and all(s.seconds is not None and 0 < s.seconds < 30 for s in seen)
+    assert engine.scheduler.ratio.step_cost.steps == len(seen)

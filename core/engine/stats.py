@@ -40,6 +40,8 @@ class StepStats:
     # --enable-cache-report: the prompt tokens served per tier, this step's and since start
     # (engine.hicache.report.TierStats; None: off)
     cache_tiers: object = None
+    # the step's wall time, from the scheduler taking it up to this report (None: nothing ran)
+    seconds: float | None = None
 
     @property
     def token_usage(self) -> float:

@@ -21,11 +21,17 @@ the predicted *peak* of that usage, with it added, fits the pool:
   remaining output, E[Δused(t)] and Var[Δused(t)] are sums over the running requests (and the
   ones admitted this step); a candidate is admitted when max_t E + z·σ still fits (never counted
   above the worst case, every request running to its max_new_tokens: the safety terms end there).
-- z, the safety term on that variance, prices a retraction: admitting now rather than at the
-  next chance (when the next request is expected to finish) gains about that many steps of one
-  more row, while a retraction makes the engine recompute its victim's prompt and generated
-  tokens (the victim is the running request with the fewest generated tokens) and wait before it
-  runs again. The overflow probability worth accepting is gain / (gain + cost), z its quantile.
+- z, the safety term on that variance, prices a retraction in this machine's seconds
+  (step_cost.py: a step's time learnt from the steps run, FIXED + ROW x rows + PROMPT x prompt
+  tokens): admitting now rather than at the next chance (when the next request is expected to
+  finish) gives G steps of one more row, G tokens that would otherwise take G / n of a step
+  at n rows: G x FIXED / n seconds saved; a retraction makes the engine recompute its victim's
+  prompt and generated tokens (the victim is the running request with the fewest generated
+  tokens), PROMPT x its length, and wait before it runs again (the same gain lost). The
+  overflow probability worth accepting is gain / (gain + cost), z its quantile. So where rows
+  cost little and prompts less (a GPU's small batches) auto admits boldly, and where every row
+  and prompt token is paid for (a CPU) it holds back; before it has timed anything a prompt
+  token is priced as a row-step.
 - Model risk: the variance above treats requests as independent, but when the workload changes
   (short answers, then long ones) the curve misleads about all of them at once. So a share
   ``risk`` of the gap between the curve's expectation and every request running to its
@@ -77,6 +83,7 @@ import numpy as np
 
 from engine.scheduler.admission import NewTokenRatio, SumPlan, reservable_tokens
 from engine.scheduler.peak_plan import PeakPlan, Rows
+from engine.scheduler.step_cost import StepCostFit
 from engine.scheduler.survival import SurvivalCurve
 
 AUTO = "auto"
@@ -132,6 +139,8 @@ class AdaptiveRatio:
         self.floor = NewTokenRatio(1.0)  # what --schedule-conservativeness 1.0 admits (FloorPlan)
         self.victims = 0  # requests retracted so far (the floor's budget)
         self.floor_off_until = 0  # finished requests: the floor is off after a retraction
+        self.step_cost = StepCostFit()  # this machine's step time (prices a retraction)
+        self.price = 1.0  # a recomputed token against a row-step, at most 1, at the last retraction
 
     @property
     def hazard(self) -> float:
@@ -180,9 +189,21 @@ class AdaptiveRatio:
         if len(rows.p) == 0:
             return Z_MIN
         gain = 1.0 / max(self._expected_finishes(curve, rows), 1e-6)
-        cost = rows.victim_len + gain
+        cost = self.recompute_price(len(rows.p)) * rows.victim_len + gain
         z = NormalDist().inv_cdf(1 - gain / (gain + cost))
         return min(max(z, Z_MIN), Z_MAX)
+
+    def recompute_price(self, rows: int) -> float:
+        """A recomputed token's cost in row-steps of the gain (``priced_z``): PROMPT / (FIXED /
+        n) from the step times seen, at most 1 (and 1 before any was seen). Only ever lower:
+        priced above a row-step (SmolLM2 on a 2-core Zen 4 fits 2.6 ms + 1.25 ms a row + 0.61
+        ms a prompt token, so 2.3 at 10 rows) auto held back more and took 39.5 s against
+        37.7 on the real model's shift at 3000 tokens: the line misses what a CPU step pays
+        whatever it holds (1.0 ran 12% more rows a step in the same time a step)."""
+        if self.step_cost.steps == 0:
+            return 1.0
+        fixed, _, prompt = self.step_cost.cost()
+        return min(prompt * rows / fixed, 1.0)
 
     @staticmethod
     def _expected_finishes(curve: SurvivalCurve, rows: Rows) -> float:
@@ -243,7 +264,10 @@ class AdaptiveRatio:
         self._finished_now, self._predicted_now = 0, None
 
     def observe(self, stats) -> None:
-        """The step's stats (the plan reads the requests themselves)."""
+        """The step's stats: its time teaches the step-cost fit (the plan reads the requests
+        themselves)."""
+        if stats.seconds is not None and stats.forward_mode != "idle":
+            self.step_cost.observe(stats.generated_tokens, stats.new_tokens, stats.seconds)
 
     def after_retraction(self, running, victims=()) -> tuple[float, float]:
         """Raise the model risk by what the retraction cost: the victims' tokens to recompute,
@@ -254,19 +278,22 @@ class AdaptiveRatio:
         lengths = [r.seq_len for r in running]
         mean_len = max(sum(lengths) / len(lengths), 1.0) if lengths else 1.0
         cost = sum(v.seq_len for v in victims) if victims else mean_len
-        self.retraction_risk = min(self.retraction_risk + RETRACT_RISK * cost / mean_len,
+        self.price = self.recompute_price(len(running) + len(victims))
+        self.retraction_risk = min(self.retraction_risk
+                                   + RETRACT_RISK * self.price * cost / mean_len,
                                    RETRACTION_RISK_MAX)
         self.retractions += 1
-        self.victims += max(len(victims), 1)
+        self.victims += max(len(victims), 1) * self.price  # priced: cheap ones count less
         # off until as many requests finished as were running: the batch turned over once
-        self.floor_off_until = self.finished_count + len(running) + len(victims)
+        self.floor_off_until = self.finished_count + round(self.price * (len(running)
+                                                                         + len(victims)))
         return old, self.risk
 
     def describe(self) -> str:
         return (f"auto: a new request is expected to generate {self.value:.3f} of max_new_tokens "
                 f"({len(self.done_share)} finished); z {self.z:.2f}, hazard x{self.hazard:.2f}, "
                 f"model risk {self.risk:.2f} (retractions {self.retraction_risk:.2f}; "
-                f"{self.retractions} retraction steps)")
+                f"{self.retractions} retraction steps); {self.step_cost.describe()}")
 
 
 class FloorPlan:

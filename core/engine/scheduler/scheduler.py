@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from operator import attrgetter
 
 from engine.forward_batch import ForwardBatch
@@ -43,6 +44,7 @@ class Scheduler(Commit):
         self.on_step = on_step
         self.extra_info: dict = {}  # observers' additions to /get_server_info
         self.step_no = 0
+        self._step_started = 0.0  # perf_counter at the start of the step (StepStats.seconds)
         self._reported = 0  # counters.generation_tokens at the last report
         self.overlap = None  # an OverlapSchedule with --enable-overlap-schedule
         self.spec = None  # a SpecDecoder with --speculative-algorithm (engine/speculative)
@@ -78,6 +80,7 @@ class Scheduler(Commit):
     def step(self) -> list[Req]:
         """Run one forward; returns the requests that got a token or finished this step."""
         self.step_no += 1
+        self._step_started = time.perf_counter()
         if self.overlap is not None:  # --enable-overlap-schedule (scheduler/overlap.py)
             return self.overlap.step()
         return self.sync_step()
@@ -126,7 +129,8 @@ class Scheduler(Commit):
                           max_running_requests=self.sizing.max_running_requests,
                           extra_info=self.extra_info,
                           spec=None if self.spec is None else self.spec.stats,
-                          cache_tiers=self.kv.stats if self.config.enable_cache_report else None)
+                          cache_tiers=self.kv.stats if self.config.enable_cache_report else None,
+                          seconds=time.perf_counter() - self._step_started if ran else None)
         self.ratio.observe(stats)
         if prefill.chunks:
             self.log.prefill(stats)
