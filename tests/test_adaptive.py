@@ -535,3 +535,30 @@ def test_the_scheduler_times_each_step_that_ran(model):
     drain(engine, 50)
     assert seen and all(s.seconds is not None and 0 < s.seconds < 30 for s in seen)
     assert engine.scheduler.ratio.step_cost.steps == len(seen)
+
+
+def test_after_a_refusal_auto_plans_again_only_once_something_changed():
+    """A plan that admitted nothing stands for PLAN_EVERY - 1 more steps (no numpy, no curve)
+    unless a request finishes, is retracted or joins the batch; a plan that admitted plans
+    again at once."""
+    from engine.scheduler.adaptive import PLAN_EVERY, REFUSAL
+
+    ratio = AdaptiveRatio()
+    running = [req(50, 100, prompt=50) for _ in range(4)]
+    first = ratio.plan(running)
+    assert first is not REFUSAL
+    plans = [ratio.plan(running) for _ in range(PLAN_EVERY)]
+    assert plans[:PLAN_EVERY - 1] == [REFUSAL] * (PLAN_EVERY - 1)
+    assert plans[-1] is not REFUSAL  # PLAN_EVERY steps on: planned again
+    assert REFUSAL.reservation(req(0, 100), 10) == float("inf") and REFUSAL.held == float("inf")
+    ratio.finished(req(30, 100, arrival=1, reason="stop"))
+    assert ratio.plan(running) is not REFUSAL  # a finish: planned again
+    assert ratio.plan(running + [req(0, 100)]) is not REFUSAL  # the batch changed
+    assert ratio.plan(running + [req(0, 100)]) is REFUSAL
+    admitting = AdaptiveRatio()  # a plan that admitted: the next step plans again
+    real = admitting.plan(running)
+    candidate = req(0, 100, prompt=5)
+    real.reservation(candidate, 5)
+    real.admitted(candidate, 5)
+    assert admitting.plan(running) is not REFUSAL
+    assert ratio.plan([]) is not REFUSAL  # nothing running: always planned

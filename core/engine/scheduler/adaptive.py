@@ -28,10 +28,12 @@ the predicted *peak* of that usage, with it added, fits the pool:
   at n rows: G x FIXED / n seconds saved; a retraction makes the engine recompute its victim's
   prompt and generated tokens (the victim is the running request with the fewest generated
   tokens), PROMPT x its length, and wait before it runs again (the same gain lost). The
-  overflow probability worth accepting is gain / (gain + cost), z its quantile. So where rows
-  cost little and prompts less (a GPU's small batches) auto admits boldly, and where every row
-  and prompt token is paid for (a CPU) it holds back; before it has timed anything a prompt
-  token is priced as a row-step.
+  overflow probability worth accepting is gain / (gain + cost), z its quantile. The price
+  of a recomputed token in row-steps, PROMPT x n / FIXED, is used only where it is far below 1
+  (``recompute_price``: x PRICE_TRUST, at most 1, so a CPU keeps 1, the price it had before it
+  timed anything); the same price scales what a retraction adds to the model risk and how
+  long it turns the floor off (below). So where recomputing is nearly free (a GPU's small
+  batches) auto keeps overcommitting as 1.0 does.
 - Model risk: the variance above treats requests as independent, but when the workload changes
   (short answers, then long ones) the curve misleads about all of them at once. So a share
   ``risk`` of the gap between the curve's expectation and every request running to its
@@ -101,6 +103,9 @@ HAZARD_MIN = 0.05
 EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
 EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
 FLOOR_BUDGET = 16  # the floor holds while victims number at most 1 + 1 per this many finished
+PRICE_TRUST = 4.0  # a learnt recompute price counts only where it is far below 1 (x this)
+PLAN_EVERY = 4  # after a plan that admitted nothing, the next ones only every this many steps
+# until a request finishes, is retracted or is added to the batch (``plan``)
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
 # the curve is only its prior
 
@@ -140,7 +145,10 @@ class AdaptiveRatio:
         self.victims = 0  # requests retracted so far (the floor's budget)
         self.floor_off_until = 0  # finished requests: the floor is off after a retraction
         self.step_cost = StepCostFit()  # this machine's step time (prices a retraction)
-        self.price = 1.0  # a recomputed token against a row-step, at most 1, at the last retraction
+        self.price = 1.0  # a recomputed token against a row-step (<= 1), at the last retraction
+        self._last_plan = None  # the last plan made, what it was made on, the steps since
+        self._last_key: tuple | None = None
+        self._skipped = 0
 
     @property
     def hazard(self) -> float:
@@ -185,7 +193,8 @@ class AdaptiveRatio:
         cost): gain = the steps until the next request is expected to finish (admitting now
         rather than then buys that many steps of one more row), cost = the likely victim's
         recompute (its prompt + generated tokens, the victim being the running request with
-        the fewest generated) plus the same wait before it runs again."""
+        the fewest generated; x ``recompute_price``) plus the same wait before it runs
+        again."""
         if len(rows.p) == 0:
             return Z_MIN
         gain = 1.0 / max(self._expected_finishes(curve, rows), 1e-6)
@@ -195,15 +204,19 @@ class AdaptiveRatio:
 
     def recompute_price(self, rows: int) -> float:
         """A recomputed token's cost in row-steps of the gain (``priced_z``): PROMPT / (FIXED /
-        n) from the step times seen, at most 1 (and 1 before any was seen). Only ever lower:
-        priced above a row-step (SmolLM2 on a 2-core Zen 4 fits 2.6 ms + 1.25 ms a row + 0.61
-        ms a prompt token, so 2.3 at 10 rows) auto held back more and took 39.5 s against
-        37.7 on the real model's shift at 3000 tokens: the line misses what a CPU step pays
-        whatever it holds (1.0 ran 12% more rows a step in the same time a step)."""
+        n) from the step times seen, x PRICE_TRUST and at most 1 (1 before any was seen).
+
+        Only ever lower than a row-step, and only where far lower: on a CPU the line misses
+        what a step pays whatever it holds, and with the batch at the same size for hundreds
+        of steps its FIXED and ROW trade places (SmolLM2 on a 2-core Zen 4 fitted 2.6 to 15
+        ms + 1.25 to 0 ms a row over one run: a price of 0.3 to 2.3 at 8 rows). Priced so,
+        auto took 39.3-39.5 s on the real model's shift at 3000 tokens against 37.7 unpriced
+        (1.0: 34.9-35.4). A GPU's small batches (a flat step, prompts nearly free) give prices
+        of a few hundredths, which stay low."""
         if self.step_cost.steps == 0:
             return 1.0
         fixed, _, prompt = self.step_cost.cost()
-        return min(prompt * rows / fixed, 1.0)
+        return min(PRICE_TRUST * prompt * rows / fixed, 1.0)
 
     @staticmethod
     def _expected_finishes(curve: SurvivalCurve, rows: Rows) -> float:
@@ -217,12 +230,27 @@ class AdaptiveRatio:
     # -- the scheduler's interface -------------------------------------------------------------
     def plan(self, running, capacity: int | None = None) -> PeakPlan | FloorPlan:
         """This step's admission: the peak plan, with 1.0's admissions as a floor unless a
-        retraction happened lately or too many did (``FloorPlan``)."""
+        retraction happened lately or too many did (``FloorPlan``).
+
+        A plan costs ~0.4 ms of Python and numpy, 3-5% of a CPU decode step of SmolLM2, and
+        between two finishes the running requests only grow, each as the last plan foresaw:
+        its refusal stands. So after a plan that admitted nothing, with requests running and
+        none finished, retracted or added since, the next PLAN_EVERY - 1 steps refuse without
+        planning (``Refusal``; a request arriving meanwhile waits those steps at most)."""
+        key = (self.finished_count, self.retractions, len(running))
+        last = self._last_plan
+        if running and last is not None and key == self._last_key and \
+                self._skipped < PLAN_EVERY - 1 and not last.peak_admissions:
+            self._skipped += 1
+            return REFUSAL
         plan = self.peak_plan(running, capacity)
+        self._last_key, self._skipped = key, 0
         if self.finished_count < self.floor_off_until or \
                 self.victims > 1 + self.finished_count / FLOOR_BUDGET:
+            self._last_plan = plan
             return plan
-        return FloorPlan(SumPlan(self.floor, running), plan)
+        self._last_plan = FloorPlan(SumPlan(self.floor, running), plan)
+        return self._last_plan
 
     def peak_plan(self, running, capacity: int | None = None) -> PeakPlan:
         """The admission against the predicted peak; ``capacity`` (the pool's tokens) turns
@@ -296,6 +324,22 @@ class AdaptiveRatio:
                 f"{self.retractions} retraction steps); {self.step_cost.describe()}")
 
 
+class Refusal:
+    """A step's admission that admits nothing (``AdaptiveRatio.plan`` between two finishes)."""
+
+    held = float("inf")
+    peak_admissions = 0
+
+    def reservation(self, req, extend: int) -> float:
+        return float("inf")
+
+    def admitted(self, req, extend: int) -> None:
+        raise AssertionError("a refusal admits nothing")
+
+
+REFUSAL = Refusal()
+
+
 class FloorPlan:
     """The peak plan with SGLang's 1.0 schedule as a floor: a candidate is admitted when either
     would admit it (``auto`` never admits less than 1.0), except that pacing's refusal stands
@@ -307,6 +351,10 @@ class FloorPlan:
         self.r_floor, self.r_peak = floor.held, peak.held
         self.held = min(self.r_floor, self.r_peak)
         self._last = None
+
+    @property
+    def peak_admissions(self) -> int:
+        return self.peak.admissions
 
     def reservation(self, req, extend: int) -> float:
         by_floor = self.r_floor + self.floor.reservation(req, extend)
