@@ -149,6 +149,7 @@ class AdaptiveRatio:
         self._last_plan = None  # the last plan made, what it was made on, the steps since
         self._last_key: tuple | None = None
         self._skipped = 0
+        self._last_predicted = 0.0  # the finishes the last plan expected in its step
 
     @property
     def hazard(self) -> float:
@@ -242,6 +243,10 @@ class AdaptiveRatio:
         if running and last is not None and key == self._last_key and \
                 self._skipped < PLAN_EVERY - 1 and not last.peak_admissions:
             self._skipped += 1
+            # the calibration goes on every step: the finishes this step's forward brings
+            # against the last plan's prediction (comparing only on planned steps, which follow
+            # finishes, would oversample the steps rich in finishes and hold the hazard at 1)
+            self._predicted_now, self._finished_now = self._last_predicted, 0
             return REFUSAL
         plan = self.peak_plan(running, capacity)
         self._last_key, self._skipped = key, 0
@@ -263,6 +268,7 @@ class AdaptiveRatio:
         plan = PeakPlan(curve, rows, pending, self.z, self.risk, pacing, self.steps)
         # the calibration compares the uncalibrated curve's prediction with what happens
         self._predicted_now = self._expected_finishes(curve, rows) / self.hazard
+        self._last_predicted = self._predicted_now
         self._finished_now = 0  # the finishes of this step's forward are what it predicted
         return plan
 
