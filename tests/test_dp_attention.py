@@ -147,3 +147,43 @@ def test_a_ranks_own_flags_are_the_fronts_to_give(kwargs):
 
     with pytest.raises(EngineError, match="set by `engine serve --enable-dp-attention`"):
         EngineConfig(**kwargs).validate()
+
+
+def test_a_killed_rank_ends_in_clear_errors_not_a_hang(models, tmp_path):
+    """Every rank takes part in every forward, so a rank killed while serving cannot be
+    restarted into the others' process group: it is reported and not restarted, the surviving
+    rank says why it cannot serve, the front's /health is 503 and a new request gets a 503
+    naming the cause; each within bounded time."""
+    import os
+    import signal
+    import time
+
+    server = ServerProcess(["--model", models["qwen3"], "--enable-dp-attention", *FLAGS,
+                            "--tp-size", "2", "--dist-timeout", "20"], tmp_path / "front.log")
+    try:
+        server.wait_ready(timeout=240)
+        r = httpx.post(server.url + "/generate", timeout=TIMEOUT,
+                       json={"text": PROMPTS[0], "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        replicas = httpx.get(server.url + "/get_server_info", timeout=TIMEOUT).json()["replicas"]
+        os.kill(replicas[1]["pid"], signal.SIGKILL)
+        deadline, health = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+            if health.status_code == 503:
+                break
+            time.sleep(0.5)
+        assert health is not None and health.status_code == 503, health.text
+        assert "dp attention rank 1 is gone (process" in health.text
+        assert "killed by SIGKILL" in health.text and "restart `engine serve`" in health.text
+        r = httpx.post(server.url + "/generate", timeout=TIMEOUT,
+                       json={"text": PROMPTS[1], "sampling_params": GREEDY})
+        assert r.status_code == 503 and "dp attention rank 1 is gone" in r.text, r.text
+        survivor = httpx.get(replicas[0]["url"] + "/health", timeout=TIMEOUT)
+        assert survivor.status_code == 503
+        assert "another data-parallel attention rank is gone" in survivor.text
+    finally:
+        server.stop()
+    log = server.log()
+    assert "the engine cannot serve: dp attention rank 1 is gone" in log, log[-3000:]
+    assert "restarting it" not in log

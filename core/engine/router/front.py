@@ -35,7 +35,7 @@ async def health(request: Request):
     rt = _router(request)
     rt.set.check_exits()
     if rt.draining or not rt.set.live():
-        raise APIError(503, "shutting down" if rt.draining else "no dp replica is alive")
+        raise APIError(503, "shutting down" if rt.draining else rt.set.down_reason())
     return Response(status_code=200)
 
 

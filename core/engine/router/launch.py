@@ -40,7 +40,7 @@ def serve_dp(replica_args: list[str], options: RouterOptions, policy_name: str, 
     if rank_args is not None:
         placements = [dataclasses.replace(p, args=[*p.args, *extra])
                       for p, extra in zip(placements, rank_args)]
-        restarts = {"max_restarts": 0}
+        restarts = {"max_restarts": 0, "together": True}
     replicas = ReplicaSet(options.dp_size, replica_args, api_key=api_key, placements=placements,
                           **restarts)
     replicas.start()

@@ -98,8 +98,7 @@ class Router:
         self.forget_dead()
         live = self.set.live()
         if not live:
-            raise APIError(503, "no dp replica is alive (see /get_server_info for why each "
-                                "one stopped)", code="no_replica")
+            raise APIError(503, self.set.down_reason(), code="no_replica")
         views = [ReplicaView(r.rank, r.load) for r in live]
         rank = self.policy.choose(text, views)
         chosen = next((r for r in live if r.rank == rank), None)
@@ -231,7 +230,7 @@ class Router:
                 continue
             return Response(resp.content, resp.status_code,
                             media_type=resp.headers.get("content-type"))
-        raise APIError(503, "no dp replica is alive", code="no_replica")
+        raise APIError(503, self.set.down_reason(), code="no_replica")
 
     async def each_live(self, method: str, path: str) -> dict[Replica, httpx.Response | str]:
         async def one(r):

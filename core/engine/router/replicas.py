@@ -95,7 +95,7 @@ class ReplicaSet:
 
     def __init__(self, dp_size: int, args: list[str], api_key: str | None = None,
                  placements: list[Placement] | None = None, max_restarts: int = MAX_RESTARTS,
-                 backoff_s: float = RESTART_BACKOFF_S, cmd=None):
+                 backoff_s: float = RESTART_BACKOFF_S, cmd=None, together: bool = False):
         self.replicas = [Replica(rank, free_port()) for rank in range(dp_size)]
         self.args, self.api_key = args, api_key
         self.placements = placements or [Placement({}, [], "") for _ in range(dp_size)]
@@ -103,6 +103,9 @@ class ReplicaSet:
         self.cmd = cmd or (lambda args, port: [sys.executable, "-c", _CLI, "serve", *args,
                                                "--host", "127.0.0.1", "--port", str(port)])
         self.stopping = False
+        # --enable-dp-attention: every replica takes part in every forward, so once one is
+        # gone for good none can serve (``live`` is empty, ``down_reason`` says why)
+        self.together = together
 
     def start(self) -> None:
         for r in self.replicas:
@@ -173,6 +176,8 @@ class ReplicaSet:
                            f"(at most {self.max_restarts} restarts)")
                 logger.error(f"dp rank {r.rank}: giving up after {r.failures} restart(s) in a "
                              f"row; it stays out of rotation")
+                if self.together:
+                    logger.error(self.down_reason())
                 continue
             delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** r.failures)
             r.failures += 1
@@ -206,7 +211,19 @@ class ReplicaSet:
         return True
 
     def live(self) -> list[Replica]:
+        if self.together and any(r.gave_up for r in self.replicas):
+            return []
         return [r for r in self.replicas if r.alive]
+
+    def down_reason(self) -> str:
+        """Why nothing can serve (``live`` is empty), for /health and the 503s."""
+        gone = [r for r in self.replicas if r.gave_up]
+        if self.together and gone:
+            r = gone[0]
+            return (f"the engine cannot serve: dp attention rank {r.rank} is gone ({r.error}); "
+                    f"every rank takes part in every forward and a rank cannot rejoin the "
+                    f"others, so restart `engine serve`")
+        return "no dp replica is alive (see /get_server_info for why each one stopped)"
 
     def stop(self, grace: float) -> None:
         """SIGTERM every replica (each drains its in-flight requests for ``grace`` s), then
