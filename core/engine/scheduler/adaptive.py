@@ -229,7 +229,7 @@ class AdaptiveRatio:
         return float(np.where(now > 0, 1 - nxt / np.where(now > 0, now, 1.0), 0.0).sum())
 
     # -- the scheduler's interface -------------------------------------------------------------
-    def plan(self, running, capacity: int | None = None) -> PeakPlan | FloorPlan:
+    def plan(self, running, capacity: int | None = None) -> PeakPlan | FloorPlan | Refusal:
         """This step's admission: the peak plan, with 1.0's admissions as a floor unless a
         retraction happened lately or too many did (``FloorPlan``).
 
