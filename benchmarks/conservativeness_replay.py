@@ -126,9 +126,12 @@ def replay(model: str, kind: str, lengths: list[int], real_prompts, conservative
     eos = min(s.eos_ids)
     observe = s.ratio.observe
 
+    def step_ms(st) -> float:  # what the step costs on the priced machine
+        return cost[0] + cost[1] * st.generated_tokens + cost[2] * st.new_tokens
+
     def timed(st):  # each step takes the priced machine's time: what auto learns its cost from
         if st.seconds is not None:
-            st.seconds = (cost[0] + cost[1] * st.generated_tokens + cost[2] * st.new_tokens) / 1e3
+            st.seconds = step_ms(st) / 1e3
         observe(st)
 
     s.ratio.observe = timed
@@ -158,7 +161,7 @@ def replay(model: str, kind: str, lengths: list[int], real_prompts, conservative
     def on_step(st):
         if st.num_queue_reqs > 0:
             usage.append(st.token_usage)
-        cpu_ms[0] += cost[0] + cost[1] * st.generated_tokens + cost[2] * st.new_tokens
+        cpu_ms[0] += step_ms(st)
 
     s.on_step = on_step
     while s.has_work:

@@ -145,7 +145,6 @@ class AdaptiveRatio:
         self.victims = 0  # requests retracted so far (the floor's budget)
         self.floor_off_until = 0  # finished requests: the floor is off after a retraction
         self.step_cost = StepCostFit()  # this machine's step time (prices a retraction)
-        self.price = 1.0  # a recomputed token against a row-step (<= 1), at the last retraction
         self._last_plan = None  # the last plan made, what it was made on, the steps since
         self._last_key: tuple | None = None
         self._skipped = 0
@@ -312,15 +311,14 @@ class AdaptiveRatio:
         lengths = [r.seq_len for r in running]
         mean_len = max(sum(lengths) / len(lengths), 1.0) if lengths else 1.0
         cost = sum(v.seq_len for v in victims) if victims else mean_len
-        self.price = self.recompute_price(len(running) + len(victims))
-        self.retraction_risk = min(self.retraction_risk
-                                   + RETRACT_RISK * self.price * cost / mean_len,
+        price = self.recompute_price(len(running) + len(victims))
+        self.retraction_risk = min(self.retraction_risk + RETRACT_RISK * price * cost / mean_len,
                                    RETRACTION_RISK_MAX)
         self.retractions += 1
-        self.victims += max(len(victims), 1) * self.price  # priced: cheap ones count less
+        self.victims += max(len(victims), 1) * price  # priced: cheap ones count less
         # off until as many requests finished as were running: the batch turned over once
-        self.floor_off_until = self.finished_count + round(self.price * (len(running)
-                                                                         + len(victims)))
+        self.floor_off_until = self.finished_count + round(price * (len(running)
+                                                                    + len(victims)))
         return old, self.risk
 
     def describe(self) -> str:
@@ -360,7 +358,7 @@ class FloorPlan:
 
     @property
     def peak_admissions(self) -> int:
-        return self.peak.admissions
+        return self.peak.peak_admissions
 
     def reservation(self, req, extend: int) -> float:
         by_floor = self.r_floor + self.floor.reservation(req, extend)

@@ -31,12 +31,8 @@ class PeakPlan:
         self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
         self._build()
         self.committed = self.peak  # the peak the scheduler's reserve stands for
-        self.admissions = 0  # requests admitted on this plan
+        self.peak_admissions = 0  # requests admitted on this plan
         self.held = self.peak + pending
-
-    @property
-    def peak_admissions(self) -> int:
-        return self.admissions
 
     def _build(self) -> None:
         self.t = np.linspace(0.0, self.horizon, GRID)
@@ -136,7 +132,7 @@ class PeakPlan:
         return crowd > max(PACE_SLACK, 1.0)
 
     def admitted(self, req, extend: int) -> None:
-        self.admissions += 1
+        self.peak_admissions += 1
         if not req.params.max_new_tokens:
             return
         last = getattr(self, "_last", None)
