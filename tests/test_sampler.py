@@ -408,3 +408,17 @@ def test_no_logprobs_when_nobody_asks():
     result = Sampler()(random_logits(2), build([SamplingParams(), SamplingParams(temperature=0)]))
     assert result.logprobs is None and result.top_logprobs is None
     assert result.next_token_ids.dtype == torch.int64 and result.next_token_ids.shape == (2,)
+
+
+def test_argmax_rows_picks_what_torch_picks():
+    """numpy's argmax on a CPU (argmax_rows) against torch's: ties and NaNs take the first,
+    strided rows, other dtypes and devices go to torch."""
+    from engine.sampling.sampler import argmax_rows
+
+    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+    x[1, 5] = x[1, 9] = 50.0  # a tie
+    x[2, 7] = x[2, 3] = float("nan")
+    x[3] = float("-inf")
+    for t in (x, x[:, ::3], x[::2], x.bfloat16(), x.double()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))

@@ -331,3 +331,27 @@ def test_seeded_requests_make_no_torch_generator(model, monkeypatch):
     again = engine.generate("hello there", params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
     assert again[0]["output_ids"] != again[1]["output_ids"]  # n = 2: seeds 1234 and 1235
+
+
+def test_skip_moves_rows_on_as_if_sampled_or_drops_what_it_cannot():
+    """A greedy verify step appends several tokens per request without sampling through the
+    state (SamplingState.skip): its rows then equal rows built from scratch, and nothing is
+    rebuilt at the next step; a state whose penalties count tokens is dropped instead."""
+    rng = random.Random(7)
+    state = SamplingState(V, [EOS])
+    greedy = [FakeReq(SamplingParams(temperature=0), [1, 2, 3], [4]) for _ in range(3)]
+    state.batch(greedy, "cpu")
+    counts = [1, 3, 2]
+    for r, c in zip(greedy, counts):
+        r.output_ids += [rng.randrange(4, V) for _ in range(c)]
+    state.skip(greedy, counts)
+    built = state.rows_built
+    assert_same_batch(state.batch(greedy, "cpu"), from_scratch(greedy))
+    assert state.rows_built == built  # moved on, not rebuilt
+    penalised = [FakeReq(POOL[3], [1, 2], [5]), greedy[0]]
+    state.batch(penalised, "cpu")
+    penalised[0].output_ids.append(6)
+    greedy[0].output_ids.append(7)
+    state.skip(penalised, [1, 1])
+    assert state.current is None  # dropped: the next batch rebuilds it
+    assert_same_batch(state.batch(penalised, "cpu"), from_scratch(penalised))

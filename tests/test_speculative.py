@@ -93,6 +93,34 @@ def test_ngram_drafts_greedy_identical(model):
     assert engine.scheduler.spec.stats.drafted > 0
 
 
+def test_greedy_rounds_take_one_argmax_and_other_batches_the_sampler(model, monkeypatch):
+    """A verify step whose requests all take their argmax (greedy, no penalty, ban, grammar or
+    logprobs) picks every row's token with one argmax (verify._greedy_picks) and moves the
+    sampling state on by what each request took; any other batch samples round by round.
+    Outputs are identical either way, through a min_new_tokens ban that lifts mid-output (the
+    state is then rebuilt, then moved on again) and next to a seeded request."""
+    from engine.speculative import verify
+    picks = []
+    real = verify._greedy_picks
+
+    def counted(s, decodes, logits):
+        got = real(s, decodes, logits)
+        picks.append(got is not None)
+        return got
+
+    monkeypatch.setattr(verify, "_greedy_picks", counted)
+    prompts = [ids(40 + i, 6 + 2 * i) for i in range(4)]
+    params = [{**GREEDY, "max_new_tokens": 24 + i} for i in range(4)]
+    params[1] = {"temperature": 0, "min_new_tokens": 10, "max_new_tokens": 30}
+    ref, got, engine = compare(model, prompts, params)
+    assert got == ref and all(picks[-3:]) and not all(picks)  # the ban, then the fast path
+    assert engine.scheduler.spec.stats.accepted > 0
+    picks.clear()
+    params[2] = {"temperature": 0.8, "seed": 11, "max_new_tokens": 26, "ignore_eos": True}
+    ref, got, engine = compare(model, prompts, params)
+    assert got == ref and picks and not any(picks[:3])
+
+
 def test_seeded_sampling_n_and_penalties_identical(model):
     prompts = [ids(20 + i, 12) for i in range(3)]
     params = [{"temperature": 0.9, "top_p": 0.9, "seed": 5, "max_new_tokens": 16,

@@ -226,6 +226,18 @@ class SamplingBatch:
             if self.ban_steps <= 0:
                 self.banned = None
 
+    def skip(self, counts: list[int]) -> bool:
+        """Each row took ``counts[k]`` tokens without this batch seeing them (SamplingState.
+        skip): positions and lengths move on. False (nothing changed) when a row's penalties
+        count its tokens or a min_new_tokens ban is in force: then the batch must be rebuilt."""
+        if self.penalties is not None or self.banned is not None:
+            return False
+        with torch.inference_mode():
+            step = torch.tensor(counts, dtype=self.ints.dtype).to(self.ints.device)
+            self.ints[:, POSITION] += step
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        return True
+
     def seed_uniform(self) -> torch.Tensor:
         """[S] float32: the seeded rows' draws for this step (a hash of seed and position)."""
         ints = self.ints.index_select(0, self.seed_rows)

@@ -69,3 +69,12 @@ class SamplingState:
     def advance(self, sampled: torch.Tensor) -> None:
         """``sampled`` [B]: the tokens just sampled from the batch ``batch`` returned."""
         self.current.advance(sampled)
+
+    def skip(self, reqs: list, counts: list[int]) -> None:
+        """The requests of the last ``batch`` (``reqs``, in its order) took ``counts`` tokens
+        each without sampling through this state (a greedy verify step's argmax): move their
+        rows on as many positions. A state it cannot move (other requests, penalties counting
+        the tokens, a ban in force) is dropped, and the next ``batch`` rebuilds its rows."""
+        cur = self.current
+        if cur is None or reqs != self.reqs or not cur.skip(counts):
+            self.current, self.reqs = None, []

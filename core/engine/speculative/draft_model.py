@@ -22,6 +22,7 @@ import torch
 from engine.errors import EngineError
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import Draft, Drafter
+from engine.sampling.sampler import argmax_rows
 
 
 def check_chain_flags(settings, what: str, path_hint: str) -> None:
@@ -257,14 +258,14 @@ class ModelDrafter(PooledDrafter):
                 for (i, _, _), d in zip(live, trees):
                     out[i] = d
                 return out
-            tokens = logits.argmax(-1).tolist()
+            tokens = argmax_rows(logits.float()).tolist()
             drafts = [[t] for t in tokens]
             step = 1
             active = [j for j, (_, _, k) in enumerate(live) if k > 1]
             while active:  # the chain's next tokens, one decode step each
                 lens = [len(live[j][1].fed) for j in active]
                 batch = self._chain_step(live, drafts, lens, active)
-                tokens = self.runner.forward(batch).argmax(-1).tolist()
+                tokens = argmax_rows(self.runner.forward(batch).float()).tolist()
                 for j, t in zip(active, tokens):
                     live[j][1].fed.append(drafts[j][-1])
                     drafts[j].append(t)

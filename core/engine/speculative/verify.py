@@ -35,6 +35,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.interfaces import Draft
+from engine.sampling.sampler import argmax_rows
 from engine.speculative.policy import DraftPolicy
 
 
@@ -154,10 +155,12 @@ class SpecDecoder:
             at += len(x)
         accepted = [0] * len(decodes)
         active = list(range(len(decodes)))
+        greedy = _greedy_picks(s, decodes, logits)
+        before = [len(r.output_ids) for r in decodes]
         j = 0
         while active:
             sampled = _round(s, decodes, old, active, j, logits,
-                             [offsets[i] + j for i in active])
+                             [offsets[i] + j for i in active], greedy)
             nxt = []
             for i, token in zip(active, sampled):
                 d = drafts[i]
@@ -165,6 +168,8 @@ class SpecDecoder:
                     accepted[i] += 1
                     nxt.append(i)
             active, j = nxt, j + 1
+        if greedy is not None:
+            _advance_sampling(s, decodes, before)
         if self.wants_hidden:  # the positions kept: the last token's and the accepted drafts'
             self._hand_hidden(decodes, old, [len(x) for x in ids], [a + 1 for a in accepted])
         return accepted, at
@@ -211,11 +216,13 @@ class SpecDecoder:
                 pool.free_req(t)
         path_of: list[list[int]] = [[] for _ in decodes]  # each request's accepted nodes
         active = list(range(len(decodes)))
+        greedy = _greedy_picks(s, decodes, logits)
+        before = [len(r.output_ids) for r in decodes]
         j = 0
         while active:  # a request at node m samples from its row first_row + 1 + m (root: + 0)
             sampled = _round(s, decodes, old, active, j, logits,
                              [first_row[i] + (path_of[i][-1] + 1 if path_of[i] else 0)
-                              for i in active])
+                              for i in active], greedy)
             nxt = []
             for i, token in zip(active, sampled):
                 at = path_of[i][-1] if path_of[i] else -1
@@ -230,6 +237,8 @@ class SpecDecoder:
                 pool.write_row(r.row, o + 1, own[path + rest])
                 nxt.append(i)
             active, j = nxt, j + 1
+        if greedy is not None:
+            _advance_sampling(s, decodes, before)
         if self.wants_hidden:  # the root's state and the accepted path's, position by position
             hidden = self.runner.last_hidden
             kept = [(r, o, hidden[[first_row[i]] + [first_row[i] + 1 + m for m in path_of[i]]])
@@ -252,15 +261,39 @@ def _first_path(d: Draft) -> Draft:
 
 
 def _round(s, decodes: list, old: list[int], active: list[int], j: int, logits,
-           picked: list[int]) -> list[int]:
+           picked: list[int], greedy: list[int] | None = None) -> list[int]:
     """Round ``j`` of a verify step: each active request's K/V counts up to its position
     ``old + j`` (its inputs so far), its token is sampled from row ``picked`` of ``logits``
-    and committed (stop checks, grammar, logprobs); returns the tokens."""
+    (or read from ``greedy``, every row's argmax: ``_greedy_picks``) and committed (stop
+    checks, grammar, logprobs); returns the tokens."""
     reqs = [decodes[i] for i in active]
     for i in active:
         s.kv.computed_to(decodes[i], old[i] + j + 1)
+    if greedy is not None:
+        sampled = [greedy[k] for k in picked]
+        s.commit(reqs, sampled, None, None)
+        return sampled
     out = s._sample(logits[picked], reqs)
     sampled = out.next_token_ids.tolist()
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
     s.commit(reqs, sampled, logprobs, out.top_logprobs)
     return sampled
+
+
+def _greedy_picks(s, decodes: list, logits) -> list[int] | None:
+    """Every row's token at once, when each request of ``decodes`` takes the argmax of its raw
+    logits (greedy, no penalty, no min_new_tokens ban in force, no grammar, no logprobs): the
+    sampler would pick exactly that in each round, so one argmax and one device sync replace a
+    sampling pass per round. None when any request needs the sampler."""
+    batch = s.sampling.batch(decodes, logits.device)
+    if not batch.all_greedy or batch.penalties is not None or batch.banned is not None or \
+            batch.top_logprobs is not None or any(r.grammar is not None for r in decodes):
+        return None
+    with torch.inference_mode():
+        return argmax_rows(logits.float()).tolist()
+
+
+def _advance_sampling(s, decodes: list, before: list[int]) -> None:
+    """After greedy rounds (``_greedy_picks``): the sampling state's rows move on by the tokens
+    each request took, as if each had been sampled through it."""
+    s.sampling.skip(decodes, [len(r.output_ids) - n for r, n in zip(decodes, before)])
