@@ -9,8 +9,8 @@ from engine.config import ConfigError, EngineConfig
 import numpy as np
 
 from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, MODEL_RISK,
-                                       Z_MIN, AdaptiveRatio, FloorPlan, PeakPlan, Rows,
-                                       SurvivalCurve, make_ratio)
+                                       PRICE_MAX, Z_DEAR, Z_MIN, AdaptiveRatio, FloorPlan, PeakPlan,
+                                       Rows, SurvivalCurve, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
 
 
@@ -423,8 +423,12 @@ def test_auto_admits_at_least_what_1_0_admits_until_a_retraction():
     """The floor: with nothing learnt (the peak plan holds back 0.9 of the gap to
     max_new_tokens), auto still admits what SGLang's 1.0 admits (0.7 of it); after a
     retraction the floor is off until the batch turned over (as many requests finished as
-    were running), and while retractions outnumber 1 + 1 per FLOOR_BUDGET finished."""
-    ratio, fixed = AdaptiveRatio(), NewTokenRatio(1.0)
+    were running), and while retractions outnumber 1 + 1 per FLOOR_BUDGET finished. (On a
+    machine where the floor pays up to 8 rows, a prompt token costing an eighth of a step, and
+    a recomputed token at 2 rows a full row-step; before any step was timed there is no
+    floor.)"""
+    ratio, fixed = timed_ratio((8.0, 0.02, 1.0)), NewTokenRatio(1.0)
+    assert not isinstance(AdaptiveRatio().plan([req(10, 100, prompt=20)]), FloorPlan)
     running = [req(10, 100, prompt=20)]
     pool = 300
     available = pool - sum(r.seq_len for r in running)
@@ -457,7 +461,7 @@ def test_auto_admits_at_least_what_1_0_admits_until_a_retraction():
 def test_the_floor_does_not_override_pacing():
     """1.0 would admit a second full-length request next to the first; pacing refuses it (it
     would finish in the first's bin), and the floor does not overrule that refusal."""
-    ratio = AdaptiveRatio()
+    ratio = timed_ratio(GPU)
     for i in range(8):
         ratio.finished(req(64, 64, arrival=i, reason="length"))
     ratio.steps = 5
@@ -492,15 +496,18 @@ def test_the_step_cost_fit_recovers_a_machines_cost_and_starts_from_its_prior():
     assert fixed > 0 and row > 0 and prompt > 0
 
 
-def timed_ratio(machine) -> AdaptiveRatio:
+CPU, GPU = (2.6, 1.8, 1.1), (8.0, 0.02, 0.01)  # step costs, ms: fixed, a row, a prompt token
+
+
+def timed_ratio(machine, max_rows=16) -> AdaptiveRatio:
     """An auto ratio that has seen 200 steps of ``machine`` (ms: fixed, per row, per prompt
-    token)."""
+    token) of 1 to ``max_rows`` rows."""
     from types import SimpleNamespace
 
     ratio = AdaptiveRatio()
     rng = random.Random(1)
     for _ in range(200):
-        n, prompt = rng.randint(1, 16), rng.choice([0, 0, rng.randint(10, 400)])
+        n, prompt = rng.randint(1, max_rows), rng.choice([0, 0, rng.randint(10, 400)])
         ratio.observe(SimpleNamespace(forward_mode="mixed" if prompt else "decode",
                                       generated_tokens=n, new_tokens=prompt,
                                       seconds=(machine[0] + machine[1] * n
@@ -530,16 +537,59 @@ def test_a_retraction_is_priced_with_the_machines_own_step_cost():
     assert cpu > gpu
     assert gpu == pytest.approx(Z_MIN, abs=0.3)
     assert "ms/row" in untimed.describe()
-    assert timed_ratio((2.6, 1.8, 1.1)).recompute_price(8) == 1.0  # never dearer than a row-step
+    # a CPU: a recomputed prompt token costs what 3.4 row-steps of gain are worth at 8 rows
+    assert timed_ratio((2.6, 1.8, 1.1)).recompute_price(8) == pytest.approx(1.1 * 8 / 2.6,
+                                                                           rel=0.05)
+    assert timed_ratio((2.6, 1.8, 1.1)).recompute_price(40) == PRICE_MAX
+
+
+def test_the_floor_runs_only_where_its_overcommit_pays():
+    """1.0's overcommit (the floor) buys rows; a CPU pays for each row about what a step's
+    fixed part costs, so beyond a few rows the rows gain less than a retraction's recompute
+    costs: the floor may fill the batch only up to FIXED / PROMPT rows (``floor_rows``), and
+    past them auto admits on its own peak plan with z at least Z_DEAR. A GPU's flat small
+    batches keep the floor; before any step was timed there is none."""
+    running = [req(50, 100, prompt=50) for _ in range(8)]
+    cpu, gpu = timed_ratio(CPU), timed_ratio(GPU)
+    for ratio in (cpu, gpu):
+        for i in range(40):
+            ratio.finished(req(30, 100, arrival=i, reason="stop"))
+    assert cpu.floor_rows() == pytest.approx(2.6 / 1.1, rel=0.05)
+    assert gpu.floor_rows() > 100 and AdaptiveRatio().floor_rows() == 0
+    lockstep = AdaptiveRatio()  # steps of one size cannot tell FIXED from ROW: no floor yet
+    for _ in range(300):
+        lockstep.step_cost.observe(14, 0, (8.0 + 0.02 * 14) / 1e3)
+    lockstep.step_cost.observe(0, 400, (8.0 + 0.01 * 400) / 1e3)
+    assert lockstep.step_cost.row_spread == 0 and lockstep.floor_rows() == 0
+    assert not lockstep.dear(14)  # nor is z held at Z_DEAR on a cost not known yet
+    assert not isinstance(cpu.plan(running), FloorPlan) and cpu.z >= Z_DEAR
+    plan = cpu.plan(running[:1])  # one running: the floor may add one more row
+    assert isinstance(plan, FloorPlan) and 1 <= plan.room < 2
+    assert isinstance(gpu.plan(running), FloorPlan) and gpu.z < Z_DEAR
+
+
+def test_the_floor_fills_the_batch_only_up_to_its_rows():
+    """A floor with room for one request: 1.0's account admits it, the next ones only if the
+    peak plan alone admits them, what the scheduler holds staying the peak plan's."""
+    ratio, fixed = timed_ratio(GPU), NewTokenRatio(1.0)
+    running = [req(10, 100, prompt=20)]
+    available = 1000 - sum(r.seq_len for r in running)
+    waiting = [req(0, 100, prompt=10, arrival=1 + i) for i in range(20)]
+    by_floor = len(admit_in_order(fixed.plan(running), available, waiting))
+    by_peak = len(admit_in_order(ratio.peak_plan(running), available, waiting))
+    assert by_floor > by_peak + 1
+    plan = ratio.plan(running)
+    plan.room = 1
+    assert len(admit_in_order(plan, available, waiting)) == max(by_peak, 1)
 
 
 def test_where_recomputing_is_nearly_free_a_retraction_keeps_the_floor_and_the_risk():
     """After a retraction auto turns 1.0's floor off until the batch turned over and raises
     its model risk by the victims' recompute; both in proportion to what a recomputed token
     costs here, so a machine whose prompts are nearly free keeps overcommitting as 1.0 does."""
-    running = [req(50, 100, prompt=50) for _ in range(8)]
+    running = [req(50, 100, prompt=50)]  # (a CPU's floor adds a row to one)
     victims = [req(20, 100, prompt=50)]
-    for machine, floor_kept in (((8.0, 0.02, 0.001), True), ((2.6, 1.8, 1.1), False)):
+    for machine, floor_kept in (((8.0, 0.02, 0.001), True), (CPU, False)):
         ratio = timed_ratio(machine)
         for i in range(40):
             ratio.finished(req(30, 100, arrival=i, reason="stop"))

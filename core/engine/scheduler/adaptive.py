@@ -29,11 +29,12 @@ the predicted *peak* of that usage, with it added, fits the pool:
   prompt and generated tokens (the victim is the running request with the fewest generated
   tokens), PROMPT x its length, and wait before it runs again (the same gain lost). The
   overflow probability worth accepting is gain / (gain + cost), z its quantile. The price
-  of a recomputed token in row-steps, PROMPT x n / FIXED, is used only where it is far below 1
-  (``recompute_price``: x PRICE_TRUST, at most 1, so a CPU keeps 1, the price it had before it
-  timed anything); the same price scales what a retraction adds to the model risk and how
-  long it turns the floor off (below). So where recomputing is nearly free (a GPU's small
-  batches) auto keeps overcommitting as 1.0 does.
+  of a recomputed token in row-steps, PROMPT x n / FIXED (``recompute_price``), counts in full
+  above 1 (up to PRICE_MAX) and below 1 only where far below (x PRICE_TRUST, at most 1); capped
+  at 1 it scales what a retraction adds to the model risk and how long it turns the floor off
+  (below). So where recomputing is nearly free (a GPU's small batches) auto keeps
+  overcommitting as 1.0 does; where a row gains less than a recompute costs (a CPU beyond
+  FIXED / PROMPT rows, ``floor_rows``) z is at least Z_DEAR.
 - Model risk: the variance above treats requests as independent, but when the workload changes
   (short answers, then long ones) the curve misleads about all of them at once. So a share
   ``risk`` of the gap between the curve's expectation and every request running to its
@@ -66,14 +67,20 @@ the predicted *peak* of that usage, with it added, fits the pool:
   retraction happened lately (until as many requests have finished as were running then: the
   batch turned over once), or retractions have been more than one plus one per FLOOR_BUDGET
   finished requests (their price, the recompute, is then paid too often for what the floor's
-  extra rows gain). On SmolLM2's recorded lengths (conservativeness_replay.py) the peak plan
-  alone held back too much where 1.0 runs many requests with few retractions (pool 8000,
-  fruits: 0.81x 1.0's tokens per step; floored 1.07x) and lost 3% on full-length requests at
-  4000 (floored 1.02x, 5 retractions against 1.0's 27). Pacing keeps its veto because 1.0's
-  cohorts are what it breaks up (overruled, full-length fell to 0.84x); the gate and the
-  budget because a floor that re-admits right after retracting locks into a retraction every
-  request lifetime (full-length at 4000: 10-11 running), and without the budget the random
-  model's full-length requests were retracted 97 times against 1.0's 57 (31 with it).
+  extra rows gain), and only while the batch stays under ``floor_rows``: FIXED / PROMPT, the
+  rows at which one more row gains what a recomputed token costs (a GPU's small batches:
+  hundreds; SmolLM2 on a 2-core Zen 4: 4-10 in `engine serve`, so at larger batches the peak
+  plan admits alone), once the decode steps seen held batches of different sizes (before that
+  the fit cannot tell FIXED from ROW). On the real model at 4000 tokens this took auto from
+  6 retractions to 0 on fruits and from 9-11 to 0 on full-length requests, faster than 1.0
+  (docs/scheduling.md). Earlier, on SmolLM2's recorded lengths (conservativeness_replay.py)
+  the peak plan alone held back too much where 1.0 runs many requests with few retractions
+  (pool 8000, fruits: 0.81x 1.0's tokens per step; floored 1.07x) and lost 3% on full-length
+  requests at 4000 (floored 1.02x, 5 retractions against 1.0's 27). Pacing keeps its veto
+  because 1.0's cohorts are what it breaks up (overruled, full-length fell to 0.84x); the gate
+  and the budget because a floor that re-admits right after retracting locks into a retraction
+  every request lifetime (full-length at 4000: 10-11 running), and without the budget the
+  random model's full-length requests were retracted 97 times against 1.0's 57 (31 with it).
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ WINDOW = 256  # finished requests the curve remembers (with the running ones)
 HALF_LIFE = 48.0  # an observation's weight halves every this many later arrivals
 PRIOR_WEIGHT = 0.5  # pseudo-requests running to max_new_tokens (weight of a fresh request: 1)
 Z_MIN, Z_MAX = 0.5, 4.0  # the priced z is kept in this range
+Z_DEAR = 2.0  # ... and at least this where a recompute costs more than a row gains (no floor)
 MODEL_RISK = 0.2  # share of the gap to running to max_new_tokens always reserved
 RETRACT_RISK = 0.3  # a retraction adds this x its recompute / the mean running length ...
 RETRACTION_RISK_MAX = 1.0
@@ -104,6 +112,8 @@ EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 
 EARLY_HALF = 32.0  # / EARLY_HALF): the first admissions hold back about as SGLang's 0.7 does
 FLOOR_BUDGET = 16  # the floor holds while victims number at most 1 + 1 per this many finished
 PRICE_TRUST = 4.0  # a learnt recompute price counts only where it is far below 1 (x this)
+PRICE_MAX = 4.0  # ... and above 1 up to this
+ROW_SPREAD = 1.0  # the floor waits for decode steps whose rows spread this much (floor_rows)
 PLAN_EVERY = 4  # after a plan that admitted nothing, the next ones only every this many steps
 # until a request finishes, is retracted or is added to the batch (``plan``)
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
@@ -200,23 +210,64 @@ class AdaptiveRatio:
         gain = 1.0 / max(self._expected_finishes(curve, rows), 1e-6)
         cost = self.recompute_price(len(rows.p)) * rows.victim_len + gain
         z = NormalDist().inv_cdf(1 - gain / (gain + cost))
-        return min(max(z, Z_MIN), Z_MAX)
+        return min(max(z, Z_DEAR if self.dear(len(rows.p)) else Z_MIN), Z_MAX)
 
-    def recompute_price(self, rows: int) -> float:
-        """A recomputed token's cost in row-steps of the gain (``priced_z``): PROMPT / (FIXED /
-        n) from the step times seen, x PRICE_TRUST and at most 1 (1 before any was seen).
-
-        Only ever lower than a row-step, and only where far lower: on a CPU the line misses
-        what a step pays whatever it holds, and with the batch at the same size for hundreds
-        of steps its FIXED and ROW trade places (SmolLM2 on a 2-core Zen 4 fitted 2.6 to 15
-        ms + 1.25 to 0 ms a row over one run: a price of 0.3 to 2.3 at 8 rows). Priced so,
-        auto took 39.3-39.5 s on the real model's shift at 3000 tokens against 37.7 unpriced
-        (1.0: 34.9-35.4). A GPU's small batches (a flat step, prompts nearly free) give prices
-        of a few hundredths, which stay low."""
+    def measured_price(self, rows: float) -> float:
+        """A recomputed token's cost in row-steps of the gain at ``rows`` running: PROMPT /
+        (FIXED / n) from the step times seen (1 before any was seen). Above 1 a retraction's
+        recompute costs more than the rows an overcommit adds gain (a CPU: each row costs
+        about as much as the fixed part of a step, so one more row gains little)."""
         if self.step_cost.steps == 0:
             return 1.0
         fixed, _, prompt = self.step_cost.cost()
-        return min(PRICE_TRUST * prompt * rows / fixed, 1.0)
+        return float(prompt * rows / fixed)
+
+    def recompute_price(self, rows: float) -> float:
+        """The price z's cost uses (``priced_z``): the measured one where it is above 1 (at
+        most PRICE_MAX); below 1 only where far below (x PRICE_TRUST, at most 1).
+
+        A price below 1 counts only where far lower: on a CPU the line misses what a step pays
+        whatever it holds, and with the batch at the same size for hundreds of steps its FIXED
+        and ROW trade places (SmolLM2 on a 2-core Zen 4 fitted 2.6 to 15 ms + 1.25 to 0 ms a
+        row over one run: a price of 0.3 to 2.3 at 8 rows). A GPU's small batches (a flat
+        step, prompts nearly free) give prices of a few hundredths, which stay low."""
+        price = self.measured_price(rows)
+        return min(price, PRICE_MAX) if price >= 1 else min(PRICE_TRUST * price, 1.0)
+
+    def floor_rows(self) -> float:
+        """The batch up to which 1.0's overcommit (``FloorPlan``) pays for its retractions:
+        the rows at which a recomputed token costs a row-step of gain (``measured_price`` 1:
+        FIXED / PROMPT). A GPU's small batches: hundreds; a CPU: about 2 (SmolLM2 on a 2-core
+        Zen 4: 2.6 ms fixed, 1.1 ms a prompt token), so there auto admits on its peak plan
+        alone, with z at least Z_DEAR. None before the decode steps seen held different
+        numbers of rows (a spread of ROW_SPREAD, ``cost_known``): until then the fit cannot
+        tell a step's fixed part from its rows', and the first admissions come from the peak
+        plan, whose early risk holds back as 1.0's 0.7 does. (A batch in lockstep passes that
+        gate while it fills and can still mislead the fit: SmolLM2's full-length requests
+        replayed at 4000 tokens with a CPU's step cost, 14 rows, fitted 13.2 ms + 1.0 ms a row
+        where the steps cost 2.6 + 1.8, and the floor overfilled the pool: 5 retractions,
+        1.0's 29. A spread of 2 rows avoided that but held the floor back on a flat-cost
+        machine's fruits at 2500: 0.89x of 1.0's tokens per step.)"""
+        if not self.cost_known():
+            return 0.0
+        fixed, _, prompt = self.step_cost.cost()
+        return float(fixed / prompt) if prompt > 0 else float("inf")
+
+    def cost_known(self) -> bool:
+        """Whether the steps seen tell a step's fixed part from its rows' (``floor_rows``)."""
+        return self.step_cost.steps > 0 and self.step_cost.row_spread >= ROW_SPREAD
+
+    def dear(self, running: int) -> bool:
+        """Whether, as far as the steps seen tell, the batch an admission here fills is past
+        ``floor_rows`` (a row gains less than a recomputed token costs): z is then at least
+        Z_DEAR. Not before the cost is known (a GPU's first steps must not hold back)."""
+        return self.cost_known() and self.batch_rows(running) > self.floor_rows()
+
+    def batch_rows(self, running: int) -> float:
+        """The rows an admission here is for: ``running``, or the batch the steps seen held on
+        average if larger (the running requests are few right after a cohort finished, and an
+        admission then fills the batch again)."""
+        return max(float(running), self.step_cost.mean_rows)
 
     @staticmethod
     def _expected_finishes(curve: SurvivalCurve, rows: Rows) -> float:
@@ -249,11 +300,12 @@ class AdaptiveRatio:
             return REFUSAL
         plan = self.peak_plan(running, capacity)
         self._last_key, self._skipped = key, 0
-        if self.finished_count < self.floor_off_until or \
+        room = self.floor_rows() - len(running)  # rows the floor may add (its overcommit pays)
+        if self.finished_count < self.floor_off_until or room < 1 or \
                 self.victims > 1 + self.finished_count / FLOOR_BUDGET:
             self._last_plan = plan
             return plan
-        self._last_plan = FloorPlan(SumPlan(self.floor, running), plan)
+        self._last_plan = FloorPlan(SumPlan(self.floor, running), plan, room)
         return self._last_plan
 
     def peak_plan(self, running, capacity: int | None = None) -> PeakPlan:
@@ -311,7 +363,7 @@ class AdaptiveRatio:
         lengths = [r.seq_len for r in running]
         mean_len = max(sum(lengths) / len(lengths), 1.0) if lengths else 1.0
         cost = sum(v.seq_len for v in victims) if victims else mean_len
-        price = self.recompute_price(len(running) + len(victims))
+        price = min(self.recompute_price(len(running) + len(victims)), 1.0)
         self.retraction_risk = min(self.retraction_risk + RETRACT_RISK * price * cost / mean_len,
                                    RETRACTION_RISK_MAX)
         self.retractions += 1
@@ -325,7 +377,16 @@ class AdaptiveRatio:
         return (f"auto: a new request is expected to generate {self.value:.3f} of max_new_tokens "
                 f"({len(self.done_share)} finished); z {self.z:.2f}, hazard x{self.hazard:.2f}, "
                 f"model risk {self.risk:.2f} (retractions {self.retraction_risk:.2f}; "
-                f"{self.retractions} retraction steps); {self.step_cost.describe()}")
+                f"{self.retractions} retraction steps); {self.step_cost.describe()}; "
+                f"1.0's floor {self._floor_words()}")
+
+    def _floor_words(self) -> str:
+        rows = self.floor_rows()
+        if not self.cost_known():
+            return "off until the steps tell a step's fixed part from its rows'"
+        if rows == float("inf"):
+            return "at any batch"
+        return f"up to {rows:.1f} rows" if rows >= 1 else "off"
 
 
 class Refusal:
@@ -350,10 +411,11 @@ class FloorPlan:
     (admitting into a crowd of finishes is what builds the lockstep cohorts pacing breaks up).
     Each plan keeps its own account of what this step's admissions promised."""
 
-    def __init__(self, floor: SumPlan, peak: PeakPlan):
+    def __init__(self, floor: SumPlan, peak: PeakPlan, room: float = float("inf")):
         self.floor, self.peak = floor, peak
         self.r_floor, self.r_peak = floor.held, peak.held
         self.held = min(self.r_floor, self.r_peak)
+        self.room = room  # requests the floor may still add (AdaptiveRatio.floor_rows)
         self._last = None
 
     @property
@@ -361,7 +423,9 @@ class FloorPlan:
         return self.peak.peak_admissions
 
     def reservation(self, req, extend: int) -> float:
-        by_floor = self.r_floor + self.floor.reservation(req, extend)
+        # once the floor's room is used up its account stops counting (inf): the peak alone
+        by_floor = self.r_floor + self.floor.reservation(req, extend) if self.room >= 1 \
+            else float("inf")
         by_peak = self.r_peak + self.peak.reservation(req, extend)  # inf: pacing refuses
         self._last = (req, extend, by_floor, by_peak)
         if by_peak == float("inf"):
@@ -374,5 +438,7 @@ class FloorPlan:
         last = self._last
         if last is None or last[0] is not req or last[1] != extend:
             self.reservation(req, extend)
+        # (admitted on the peak alone: r_floor inf, so what the scheduler holds is r_peak)
         _, _, self.r_floor, self.r_peak = self._last
+        self.room -= 1
         self.peak.admitted(req, extend)

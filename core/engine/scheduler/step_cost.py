@@ -32,6 +32,7 @@ class StepCostFit:
         self.w = self.r = self.p = self.rr = self.rp = self.pp = 0.0
         self.t = self.rt = self.pt = 0.0
         self.steps = 0
+        self.dw = self.dr = self.drr = 0.0  # the same over the steps that decoded rows
         self._cost = np.zeros(3)
         self._fitted_at = 0
 
@@ -51,6 +52,9 @@ class StepCostFit:
         self.t = self.t * d + seconds
         self.rt = self.rt * d + rows * seconds
         self.pt = self.pt * d + prompt_tokens * seconds
+        if rows:
+            self.dw, self.dr, self.drr = self.dw * d + 1.0, self.dr * d + rows, \
+                self.drr * d + rows * rows
         self.steps += 1
 
     def cost(self) -> np.ndarray:
@@ -79,6 +83,21 @@ class StepCostFit:
             return prior
         # a step costs something even when empty; rows and prompt tokens never save time
         return np.array([max(beta[0], 0.02 * mean_t), max(beta[1], 0.0), max(beta[2], 0.0)])
+
+    @property
+    def mean_rows(self) -> float:
+        """The decayed mean of the decoded rows per step seen (0 before any)."""
+        return self.r / self.w if self.w else 0.0
+
+    @property
+    def row_spread(self) -> float:
+        """The decayed standard deviation of the rows of the steps that decoded any: below a
+        row or two they cannot tell FIXED from ROW (their split is then the prior's; a step of
+        prompt tokens alone tells FIXED from PROMPT, not from ROW)."""
+        if not self.dw:
+            return 0.0
+        mean = self.dr / self.dw
+        return float(max(self.drr / self.dw - mean * mean, 0.0) ** 0.5)
 
     def describe(self) -> str:
         fixed, row, prompt = self.cost() * 1e3
