@@ -408,8 +408,10 @@ REFUSAL = Refusal()
 class FloorPlan:
     """The peak plan with SGLang's 1.0 schedule as a floor: a candidate is admitted when either
     would admit it (``auto`` never admits less than 1.0), except that pacing's refusal stands
-    (admitting into a crowd of finishes is what builds the lockstep cohorts pacing breaks up).
-    Each plan keeps its own account of what this step's admissions promised."""
+    (admitting into a crowd of finishes is what builds the lockstep cohorts pacing breaks up),
+    and the floor's account admits at most ``room`` requests (``AdaptiveRatio.floor_rows``
+    less the running ones): after them a candidate must fit the peak plan alone. Each plan
+    keeps its own account of what this step's admissions promised."""
 
     def __init__(self, floor: SumPlan, peak: PeakPlan, room: float = float("inf")):
         self.floor, self.peak = floor, peak
