@@ -237,10 +237,11 @@ class AdaptiveRatio:
     def floor_rows(self) -> float:
         """The batch up to which 1.0's overcommit (``FloorPlan``) pays for its retractions:
         the rows at which a recomputed token costs a row-step of gain (``measured_price`` 1:
-        FIXED / PROMPT). A GPU's small batches: hundreds; a CPU: about 2 (SmolLM2 on a 2-core
-        Zen 4: 2.6 ms fixed, 1.1 ms a prompt token), so there auto admits on its peak plan
-        alone, with z at least Z_DEAR. None before the decode steps seen held different
-        numbers of rows (a spread of ROW_SPREAD, ``cost_known``): until then the fit cannot
+        FIXED / PROMPT). A GPU's small batches: hundreds; a CPU: a few (SmolLM2 on a 2-core
+        Zen 4: 4-10 in `engine serve`, 2.3 with the replay's 2.6 ms fixed and 1.13 ms a prompt
+        token), so past them auto admits on its peak plan alone, with z at least Z_DEAR.
+        None before the decode steps seen held different numbers of rows (a spread of
+        ROW_SPREAD, ``cost_known``): until then the fit cannot
         tell a step's fixed part from its rows', and the first admissions come from the peak
         plan, whose early risk holds back as 1.0's 0.7 does. (A batch in lockstep passes that
         gate while it fills and can still mislead the fit: SmolLM2's full-length requests
@@ -381,9 +382,9 @@ class AdaptiveRatio:
                 f"1.0's floor {self._floor_words()}")
 
     def _floor_words(self) -> str:
-        rows = self.floor_rows()
         if not self.cost_known():
             return "off until the steps tell a step's fixed part from its rows'"
+        rows = self.floor_rows()
         if rows == float("inf"):
             return "at any batch"
         return f"up to {rows:.1f} rows" if rows >= 1 else "off"

@@ -156,7 +156,7 @@ class SpecDecoder:
         accepted = [0] * len(decodes)
         active = list(range(len(decodes)))
         greedy = _greedy_picks(s, decodes, logits)
-        before = [len(r.output_ids) for r in decodes]
+        before = [len(r.output_ids) for r in decodes] if greedy is not None else None
         j = 0
         while active:
             sampled = _round(s, decodes, old, active, j, logits,
@@ -217,7 +217,7 @@ class SpecDecoder:
         path_of: list[list[int]] = [[] for _ in decodes]  # each request's accepted nodes
         active = list(range(len(decodes)))
         greedy = _greedy_picks(s, decodes, logits)
-        before = [len(r.output_ids) for r in decodes]
+        before = [len(r.output_ids) for r in decodes] if greedy is not None else None
         j = 0
         while active:  # a request at node m samples from its row first_row + 1 + m (root: + 0)
             sampled = _round(s, decodes, old, active, j, logits,
