@@ -65,14 +65,16 @@ def evicted_to_host(engine, p):
 
 def wait_for(engine, waiter, other, check=lambda: True):
     """Step while ``waiter`` waits for its load: (steps waited, ``other``'s new tokens each
-    step); ``check`` holds at every step it waited."""
+    step it was still running: a slow disk read can outlast it); ``check`` holds at every step
+    it waited."""
     waited, progress = 0, []
     while waiter.status is Status.WAITING:
-        before = len(other.output_ids)
+        before, running = len(other.output_ids), other.status is Status.RUNNING
         step_checked(engine)
         if waiter.status is Status.WAITING:
             waited += 1
-            progress.append(len(other.output_ids) - before)
+            if running:
+                progress.append(len(other.output_ids) - before)
             assert check()
     return waited, progress
 
@@ -153,9 +155,8 @@ def test_an_aborted_waiting_request_leaves_its_slots_to_the_cache(model, referen
     assert tree.total_size >= len(a) - 1  # its slots: counted in the tree, locked
     engine.abort(waiter)
     assert not kv.loads and kv._orphans  # the copy is still in flight: locked until it lands
-    while kv._orphans:
+    while kv._orphans:  # it leaves once its copy landed (a write-back may still be going)
         step_checked(engine)
-    assert not tree.copies_in_flight
     run_checked(engine, [other])
     assert tree.protected_size == 0  # nothing locked: every cached slot is evictable
     tree.evict(tree.total_size)
