@@ -93,6 +93,30 @@ def test_kernel_matches_torch(fmt, isa, m):
         assert err < 2e-6, err  # float32 rounding: a few ulps of the sum of |terms|
 
 
+@pytest.mark.parametrize("fmt", [K.FMT_F16, K.FMT_BF16])
+@pytest.mark.parametrize("isa", [K.ISA_AVX2, K.ISA_AVX512])
+def test_half_weights_give_each_row_the_same_bits_at_any_batch(fmt, isa):
+    """float16 / bfloat16 weights: a row's output does not depend on how many rows run beside
+    it, across the ways a tile runs (weights converted in registers, one pass or several, up
+    to DIRECT_512 rows on AVX-512; the tile converted once beyond; two row chunks of 64 and
+    36 at 100). A pass of one row is the exception on AVX-512 (a decode row alone: its k
+    summed in two chains), so the batches here leave none (13 = 12 + 1 would)."""
+    reason = reachable(fmt, isa)
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(7)
+    n, k = 77, 200
+    packed = ops.pack(torch.randn(n, k, generator=gen) * 0.1, fmt)
+    x = torch.randn(100, k, generator=gen)
+    every = ops.linear(x, packed, None, isa)
+    for m in (2, 3, 12, 14, 16, 24, 26, 36, 38, 48, 64):
+        assert torch.equal(ops.linear(x[:m], packed, None, isa), every[:m]), m
+        assert torch.equal(ops.linear(x[-m:], packed, None, isa), every[-m:]), m
+    if isa == K.ISA_AVX2:
+        alone = torch.cat([ops.linear(x[i:i + 1], packed, None, isa) for i in range(100)])
+        assert torch.equal(alone, every)
+
+
 @pytest.mark.parametrize("fmt,isa", [p for p in PATHS if p.values[0] != K.FMT_Q8_0])
 def test_bfloat16_activations_in_and_out(fmt, isa):
     """A bfloat16 model's activations: read as they are, the result rounded to bfloat16 once
