@@ -322,6 +322,35 @@ def test_requests_outliving_the_curve_lower_its_hazards():
     assert ratio.peak_plan(running).curve.expected_share(0.0) > before
 
 
+def test_a_workload_turned_long_stays_long_while_nothing_is_due_to_finish():
+    """The calibration keeps its evidence through the steps where the curve predicts no stop
+    (the running requests past its early stops) and is not reset by requests that end at
+    max_new_tokens, a stop on the last allowed token included (certain: the prediction
+    leaves them out). Before, ~10 such steps forgot it and the next cohort of a workload
+    turned long was admitted on the short curve again (the real model's shift at 3000
+    tokens: 0.92x 1.0's tokens per step)."""
+    ratio = AdaptiveRatio()
+    for i in range(100):
+        ratio.finished(req(5, 100, arrival=i, reason="stop"))
+    running = [req(2 + k % 3, 100, arrival=100 + k) for k in range(30)]
+    for _ in range(10):  # the curve predicts stops; none comes
+        ratio.peak_plan(running)
+        ratio.step()
+    low = ratio.hazard
+    assert low < 0.5
+    running = [req(60 + k % 3, 100, arrival=100 + k) for k in range(30)]
+    for _ in range(50):  # past the curve's stops: nothing predicted, nothing seen
+        ratio.peak_plan(running)
+        ratio.step()
+    assert ratio.hazard == pytest.approx(low, abs=0.02)
+    ratio.peak_plan([req(99, 100, arrival=100 + k) for k in range(30)])
+    for k in range(30):  # all end at max_new_tokens, half by a stop on the last token
+        ratio.finished(req(100, 100, arrival=100 + k, reason="stop" if k % 2 else "length"))
+    ratio.step()
+    assert ratio.hazard == pytest.approx(low, abs=0.02)
+    assert ratio.risk > MODEL_RISK + 0.5
+
+
 def test_steps_without_a_plan_still_calibrate_the_curve():
     """plan() refuses without planning on most steps between finishes; those steps still
     count, against the last plan's prediction, so the hazard comes out as when every step

@@ -40,7 +40,10 @@ the predicted *peak* of that usage, with it added, fits the pool:
   ``risk`` of the gap between the curve's expectation and every request running to its
   max_new_tokens is reserved too: MODEL_RISK always; plus 1 - hazard, where hazard (<= 1)
   scales the curve's hazards (S**hazard) by the finishes seen over those the curve predicted,
-  step by step (requests outliving the curve lower it at once, long before they finish); plus
+  step by step (requests outliving the curve lower it at once, long before they finish), with
+  a memory of the last ~10 finishes seen or predicted rather than of the last steps (so the
+  steps where nothing is due to finish keep it: a workload turned long stays long for the next
+  cohort), and requests that end at max_new_tokens left out of both (certain); plus
   what retractions added: each raises it by RETRACT_RISK x the victims' tokens to recompute
   over the mean running request's length, and that comes back down as requests finish
   (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
@@ -105,7 +108,7 @@ MODEL_RISK = 0.2  # share of the gap to running to max_new_tokens always reserve
 RETRACT_RISK = 0.3  # a retraction adds this x its recompute / the mean running length ...
 RETRACTION_RISK_MAX = 1.0
 RISK_DECAY = 1 / 16  # ... which falls by this share per request that finishes
-CALIBRATION_DECAY = 0.9  # per step with a plan: finishes seen vs predicted, over ~10 steps ...
+CALIBRATION_DECAY = 0.9  # per finish seen or predicted: finishes seen vs predicted, over ~10 ...
 CALIBRATION_PRIOR = 0.5  # ... starting from (and pulled towards) this many of each
 HAZARD_MIN = 0.05
 EARLY_RISK = 0.7  # more model risk while little has finished: EARLY_RISK x 0.5 ** (finished
@@ -193,7 +196,10 @@ class AdaptiveRatio:
         if req.finish_reason in ("stop", "length") and req.params.max_new_tokens:
             self.done_share.append(_share(req))
             self.done_arrival.append(req.arrival)
-            self._finished_now += req.finish_reason == "stop"  # "length" was certain
+            # one the plan's prediction covered: "length", or a stop on the last token
+            # max_new_tokens allowed, was certain (_expected_finishes leaves those out)
+            self._finished_now += req.finish_reason == "stop" and \
+                len(req.output_ids) < req.params.max_new_tokens
             self.finished_count += 1
             self.retraction_risk *= 1 - RISK_DECAY
 
@@ -344,7 +350,12 @@ class AdaptiveRatio:
         if self._predicted_now is None:  # no plan this step: nothing to compare
             self._finished_now = 0
             return
-        d, prior = CALIBRATION_DECAY, (1 - CALIBRATION_DECAY) * CALIBRATION_PRIOR
+        # decayed per finish seen or predicted, not per step: the steps where nothing is due to
+        # finish (requests past the curve's early stops, or running to max_new_tokens) keep
+        # the evidence instead of forgetting it in ~10 steps (then every new cohort of a
+        # workload turned long was admitted on the stale curve again)
+        d = CALIBRATION_DECAY ** (self._finished_now + self._predicted_now)
+        prior = (1 - d) * CALIBRATION_PRIOR
         self.seen_finishes = d * self.seen_finishes + self._finished_now + prior
         self.predicted_finishes = d * self.predicted_finishes + self._predicted_now + prior
         self._finished_now, self._predicted_now = 0, None
