@@ -8,7 +8,7 @@ from engine import Engine
 from engine.config import ConfigError, EngineConfig
 import numpy as np
 
-from engine.scheduler.adaptive import (EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, MODEL_RISK,
+from engine.scheduler.adaptive import (COST_STEPS, EARLY_HALF, EARLY_RISK, FLOOR_BUDGET, MODEL_RISK,
                                        PRICE_MAX, Z_DEAR, Z_MIN, AdaptiveRatio, FloorPlan, PeakPlan,
                                        Rows, SurvivalCurve, make_ratio)
 from engine.scheduler.admission import NewTokenRatio
@@ -591,6 +591,13 @@ def test_the_floor_runs_only_where_its_overcommit_pays():
     lockstep.step_cost.observe(0, 400, (8.0 + 0.01 * 400) / 1e3)
     assert lockstep.step_cost.row_spread == 0 and lockstep.floor_rows() == 0
     assert not lockstep.dear(14)  # nor is z held at Z_DEAR on a cost not known yet
+    filling = AdaptiveRatio()  # a batch filling up (5, 9, 14 rows): a spread, but three steps
+    for rows in (5, 9, 14):  # are no fit (on the replay its floor let 14 full-length requests
+        filling.step_cost.observe(rows, 0, (2.6 + 1.8 * rows) / 1e3)  # in: 5 retractions)
+    assert filling.step_cost.row_spread >= 1 and filling.floor_rows() == 0
+    for _ in range(COST_STEPS - 3):
+        filling.step_cost.observe(14, 0, (2.6 + 1.8 * 14) / 1e3)
+    assert filling.floor_rows() > 0
     assert not isinstance(cpu.plan(running), FloorPlan) and cpu.z >= Z_DEAR
     plan = cpu.plan(running[:1])  # one running: the floor may add one more row
     assert isinstance(plan, FloorPlan) and 1 <= plan.room < 2

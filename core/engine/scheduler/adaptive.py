@@ -117,6 +117,7 @@ FLOOR_BUDGET = 16  # the floor holds while victims number at most 1 + 1 per this
 PRICE_TRUST = 4.0  # a learnt recompute price counts only where it is far below 1 (x this)
 PRICE_MAX = 4.0  # ... and above 1 up to this
 ROW_SPREAD = 1.0  # the floor waits for decode steps whose rows spread this much (floor_rows)
+COST_STEPS = 16  # ... over at least this many of them (two steps of a filling batch are not a fit)
 PLAN_EVERY = 4  # after a plan that admitted nothing, the next ones only every this many steps
 # until a request finishes, is retracted or is added to the batch (``plan``)
 PACE_MIN_FINISHED = 8  # pacing (peak_plan.py) once this many requests finished: before that
@@ -246,14 +247,14 @@ class AdaptiveRatio:
         FIXED / PROMPT). A GPU's small batches: hundreds; a CPU: a few (SmolLM2 on a 2-core
         Zen 4: 4-10 in `engine serve`, 2.3 with the replay's 2.6 ms fixed and 1.13 ms a prompt
         token), so past them auto admits on its peak plan alone, with z at least Z_DEAR.
-        None before the decode steps seen held different numbers of rows (a spread of
-        ROW_SPREAD, ``cost_known``): until then the fit cannot
-        tell a step's fixed part from its rows', and the first admissions come from the peak
-        plan, whose early risk holds back as 1.0's 0.7 does. (A batch in lockstep passes that
-        gate while it fills and can still mislead the fit: SmolLM2's full-length requests
-        replayed at 4000 tokens with a CPU's step cost, 14 rows, fitted 13.2 ms + 1.0 ms a row
-        where the steps cost 2.6 + 1.8, and the floor overfilled the pool: 5 retractions,
-        1.0's 29. A spread of 2 rows avoided that but held the floor back on a flat-cost
+        None before COST_STEPS decode steps were seen and their rows spread by ROW_SPREAD
+        (``cost_known``): until then the fit cannot tell a step's fixed part from its rows',
+        and the first admissions come from the peak plan, whose early risk holds back as 1.0's
+        0.7 does. (A batch filling up, 5, 9, 14 rows in its first steps, passed the spread
+        gate alone: on SmolLM2's full-length requests replayed at 4000 tokens with a CPU's
+        step cost the floor that two steps' fit allowed let 14 requests in at once, 5
+        retractions against 1.0's 29; since the COST_STEPS gate, 0, and 0 against 27 on the
+        real model. A spread of 2 rows had avoided it but held the floor back on a flat-cost
         machine's fruits at 2500: 0.89x of 1.0's tokens per step.)"""
         if not self.cost_known():
             return 0.0
@@ -262,7 +263,8 @@ class AdaptiveRatio:
 
     def cost_known(self) -> bool:
         """Whether the steps seen tell a step's fixed part from its rows' (``floor_rows``)."""
-        return self.step_cost.steps > 0 and self.step_cost.row_spread >= ROW_SPREAD
+        return self.step_cost.decode_steps >= COST_STEPS and \
+            self.step_cost.row_spread >= ROW_SPREAD
 
     def dear(self, running: int) -> bool:
         """Whether, as far as the steps seen tell, the batch an admission here fills is past

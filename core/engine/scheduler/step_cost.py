@@ -33,6 +33,7 @@ class StepCostFit:
         self.t = self.rt = self.pt = 0.0
         self.steps = 0
         self.dw = self.dr = self.drr = 0.0  # the same over the steps that decoded rows
+        self.decode_steps = 0  # how many steps decoded rows
         self._cost = np.zeros(3)
         self._fitted_at = 0
 
@@ -55,6 +56,7 @@ class StepCostFit:
         if rows:
             self.dw, self.dr, self.drr = self.dw * d + 1.0, self.dr * d + rows, \
                 self.drr * d + rows * rows
+            self.decode_steps += 1
         self.steps += 1
 
     def cost(self) -> np.ndarray:
