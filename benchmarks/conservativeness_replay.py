@@ -56,7 +56,7 @@ from engine_testing.checkpoints import make_tiny_model
 
 RECORD = os.path.join(tempfile.gettempdir(), "engine-conservativeness-lengths.json")
 MAX_NEW = 400
-# ms per step, per decoded row, per prompt token: SmolLM2's Q4_1 default on a 2-core Zen 4
+# ms per step, per decoded row, per prompt token: SmolLM2's Q4_1 default on a 2-core Zen 5
 # EPYC (2026-11-28, timed as calibrate() does: 1 row 4.4 ms, 16 rows 30.9 ms, 512 prompt
 # tokens 577 ms; a --calibrate run later the same hour gave 3.12, 1.82, 1.412)
 STEP_COST = (2.6, 1.77, 1.13)

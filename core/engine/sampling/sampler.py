@@ -56,7 +56,7 @@ def top_k_top_p_min_p(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[B] int64: each row's first largest entry, as ``logits.argmax(dim=-1)``. On a CPU numpy's
     vectorised argmax takes a tenth of torch's time (a 49152-token vocabulary: 3 against 29 us
-    a row on a Zen 4) and picks the same index (the first maximum; a NaN counts as one)."""
+    a row on a Zen 5) and picks the same index (the first maximum; a NaN counts as one)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
             and not logits.requires_grad:
         return torch.from_numpy(logits.numpy().argmax(axis=1).astype(np.int64, copy=False))

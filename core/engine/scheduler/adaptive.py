@@ -72,7 +72,7 @@ the predicted *peak* of that usage, with it added, fits the pool:
   finished requests (their price, the recompute, is then paid too often for what the floor's
   extra rows gain), and only while the batch stays under ``floor_rows``: FIXED / PROMPT, the
   rows at which one more row gains what a recomputed token costs (a GPU's small batches:
-  hundreds; SmolLM2 on a 2-core Zen 4: 4-10 in `engine serve`, so at larger batches the peak
+  hundreds; SmolLM2 on a 2-core Zen 5: 4-10 in `engine serve`, so at larger batches the peak
   plan admits alone), once the decode steps seen held batches of different sizes (before that
   the fit cannot tell FIXED from ROW). On the real model at 4000 tokens this took auto from
   6 retractions to 0 on fruits and from 9-11 to 0 on full-length requests, faster than 1.0
@@ -235,7 +235,7 @@ class AdaptiveRatio:
 
         A price below 1 counts only where far lower: on a CPU the line misses what a step pays
         whatever it holds, and with the batch at the same size for hundreds of steps its FIXED
-        and ROW trade places (SmolLM2 on a 2-core Zen 4 fitted 2.6 to 15 ms + 1.25 to 0 ms a
+        and ROW trade places (SmolLM2 on a 2-core Zen 5 fitted 2.6 to 15 ms + 1.25 to 0 ms a
         row over one run: a price of 0.3 to 2.3 at 8 rows). A GPU's small batches (a flat
         step, prompts nearly free) give prices of a few hundredths, which stay low."""
         price = self.measured_price(rows)
@@ -245,7 +245,7 @@ class AdaptiveRatio:
         """The batch up to which 1.0's overcommit (``FloorPlan``) pays for its retractions:
         the rows at which a recomputed token costs a row-step of gain (``measured_price`` 1:
         FIXED / PROMPT). A GPU's small batches: hundreds; a CPU: a few (SmolLM2 on a 2-core
-        Zen 4: 4-10 in `engine serve`, 2.3 with the replay's 2.6 ms fixed and 1.13 ms a prompt
+        Zen 5: 4-10 in `engine serve`, 2.3 with the replay's 2.6 ms fixed and 1.13 ms a prompt
         token), so past them auto admits on its peak plan alone, with z at least Z_DEAR.
         None before COST_STEPS decode steps were seen and their rows spread by ROW_SPREAD
         (``cost_known``): until then the fit cannot tell a step's fixed part from its rows',

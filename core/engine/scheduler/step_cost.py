@@ -2,7 +2,7 @@
 ROW x decoded rows + PROMPT x prompt tokens, a least-squares fit to recent steps (``auto``
 prices a retraction with it: adaptive.py's ``recompute_price``).
 
-A CPU pays for every row (a 2-core Zen 4 ran SmolLM2 at 2.6 ms + 1.2-1.8 ms a row + 0.6-1.1 ms
+A CPU pays for every row (a 2-core Zen 5 ran SmolLM2 at 2.6 ms + 1.2-1.8 ms a row + 0.6-1.1 ms
 a prompt token); a GPU's small batches cost about the same whatever they hold and its prompt
 tokens little. Until the steps seen pin the three down, pseudo-steps hold the fit at a prior
 where half of the mean step is fixed and a prompt token costs what a row does (the price
