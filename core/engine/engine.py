@@ -42,7 +42,7 @@ class Engine:
         config, not its weights) and settles the parallel strategy and the page size."""
         from engine.models.checkpoint import open_checkpoint
         from engine.models.config import ModelConfig
-        from engine.models.dtype import resolve_dtype
+        from engine.models.dtype import cpu_half_weights, resolve_dtype
         from engine.registry import (default_page_size, resolve_attention_backend,
                                      resolve_grammar_backend, resolve_kv_dtype,
                                      resolve_parallel_strategy, resolve_parser,
@@ -52,6 +52,11 @@ class Engine:
 
         config = self.config
         policy_entry = resolve_policy(regs, config.schedule_policy)
+        if config.kv_cache_dtype == "auto" and cpu_half_weights(config.dtype, self.device):
+            # --dtype float16 on a CPU: float16 weights, float32 arithmetic; the KV cache takes
+            # the dtype asked for, as SGLang's auto (the model's dtype) and llama.cpp's f16
+            # cache do: half the bytes a decode step's attention reads (docs/cpu.md)
+            config.kv_cache_dtype = "fp16"
         kv_entry = resolve_kv_dtype(regs, config.kv_cache_dtype)
         self.grammar_entry = resolve_grammar_backend(regs, config.grammar_backend)
         # the chat route's parsers (engine.server.tool_choice): entries whose obj makes one

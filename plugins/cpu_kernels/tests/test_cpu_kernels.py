@@ -223,6 +223,30 @@ def test_float16_engine_matches_hf_on_the_rounded_weights(tiny_model_dir, regist
         assert out == ref[0, len(p):].tolist()
 
 
+KV_TOL = 2e-3  # float16 K/V: 11 bits of mantissa
+
+
+def test_engine_float16_keeps_its_kv_cache_in_float16(tiny_model_dir):
+    """`--dtype float16` on a CPU (float16 weights, float32 arithmetic): `--kv-cache-dtype
+    auto` stores K/V in float16 as SGLang's auto (the model's dtype) and llama.cpp's cache do:
+    every prompt token's logits within float16's rounding of HF's on the rounded weights (the
+    random model's greedy tokens have near-ties that K/V's rounding flips); a KV dtype given
+    explicitly stands, and a float32 model keeps a float32 cache."""
+    from engine import Engine
+
+    e = Engine(tiny_model_dir, device="cpu", dtype="float16", max_total_tokens=512)
+    assert e.config.kv_cache_dtype == "fp16" and e.runner.kv_storage_dtype == torch.float16
+    hf, ps = hf_on_half_weights(tiny_model_dir), prompts(tiny_model_dir)
+    compare_prompt_logits(e.runner, hf, ps, KV_TOL)
+    with pytest.raises(AssertionError):  # (the float16 cache is what the tolerance is for)
+        compare_prompt_logits(e.runner, hf, ps, 1e-4)
+    explicit = Engine(tiny_model_dir, device="cpu", dtype="float16", kv_cache_dtype="bf16",
+                      max_total_tokens=512)
+    assert explicit.runner.kv_storage_dtype == torch.bfloat16
+    f32 = Engine(tiny_model_dir, device="cpu", max_total_tokens=512)
+    assert f32.config.kv_cache_dtype == "auto" and f32.runner.kv_storage_dtype == torch.float32
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_bfloat16_engine_matches_the_core_path(tiny_model_dir, registries, cpu_device,
                                                monkeypatch, isa):
