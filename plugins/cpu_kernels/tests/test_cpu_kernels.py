@@ -231,7 +231,8 @@ def test_engine_float16_keeps_its_kv_cache_in_float16(tiny_model_dir):
     auto` stores K/V in float16 as SGLang's auto (the model's dtype) and llama.cpp's cache do:
     every prompt token's logits within float16's rounding of HF's on the rounded weights (the
     random model's greedy tokens have near-ties that K/V's rounding flips); a KV dtype given
-    explicitly stands, and a float32 model keeps a float32 cache."""
+    explicitly stands, and a float32 model, or one under --quantization, keeps a float32
+    cache."""
     from engine import Engine
 
     e = Engine(tiny_model_dir, device="cpu", dtype="float16", max_total_tokens=512)
@@ -245,6 +246,10 @@ def test_engine_float16_keeps_its_kv_cache_in_float16(tiny_model_dir):
     assert explicit.runner.kv_storage_dtype == torch.bfloat16
     f32 = Engine(tiny_model_dir, device="cpu", max_total_tokens=512)
     assert f32.config.kv_cache_dtype == "auto" and f32.runner.kv_storage_dtype == torch.float32
+    pytest.importorskip("engine_quant_int8")  # under a --quantization the cache stays float32
+    q = Engine(tiny_model_dir, device="cpu", dtype="float16", quantization="w8a8_int8",
+               max_total_tokens=512)
+    assert q.config.kv_cache_dtype == "auto" and q.runner.kv_storage_dtype == torch.float32
 
 
 @pytest.mark.parametrize("isa", ISAS)
