@@ -137,7 +137,9 @@ ENGINE_OPTIONS = [
     click.option("--attention-backend", default=_D.attention_backend,
                  type=RegistryChoice("attention", ("auto",))),
     click.option("--kv-cache-dtype", default=_D.kv_cache_dtype,
-                 type=RegistryChoice("kv_dtypes", aliases=KV_CACHE_DTYPE_ALIASES)),
+                 type=RegistryChoice("kv_dtypes", aliases=KV_CACHE_DTYPE_ALIASES),
+                 help="How the KV cache is stored. auto: the model's dtype (--dtype float16 on "
+                      "a CPU without --quantization: float16, the arithmetic in float32)."),
     click.option("--quantization", default=None, type=RegistryChoice("quantization")),
     click.option("--page-size", type=int, help="Tokens per KV page.  [default: 1, or the "
                                                 "attention backend's own (trtllm_mha: 64)]"),
