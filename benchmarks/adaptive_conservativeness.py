@@ -19,6 +19,13 @@ On a chat model (``--model default``) the first three use real chat requests too
 ``full-length`` the same with EOS ignored (every answer runs to max_new_tokens), ``shift`` the
 first half early-eos, the second half full-length.
 
+``--lengths hidden`` (default) gives each full-length request (EOS ignored) also a stop token
+id that no answer contains (HIDDEN_STOP; the script checks that they all still run to
+max_new_tokens), so that, as with a natural long answer, the scheduler cannot tell in advance
+that it runs to the end; ``--lengths known`` sends plain ``ignore_eos`` requests, as SGLang's
+bench_serving and ``engine bench`` do, which ``auto`` plans at their exact length
+(``peak_plan.runs_to_max``).
+
 Each setting serves the same requests on the same pool; printed per setting: wall time and
 generation throughput (``--repeats`` runs, the last counts: a first run pays for every batch
 shape it is the first to use), mean token usage over the steps with requests waiting (the
@@ -54,11 +61,14 @@ SETTINGS = (1.0, 0.3, "auto")
 
 
 WORKLOADS = ("early-eos", "full-length", "shift", "fruits")
+HIDDEN_STOP = 49144  # --lengths hidden: a stop id no answer contains (SmolLM2: " Thessalon")
 
 
 def workload(kind: str, n: int, vocab: int, stop_ids: int, max_new: int, tokenizer=None,
-             seed: int = 0, stride: int = 1):
-    """``n`` (prompt ids, sampling params) pairs of workload ``kind``."""
+             seed: int = 0, stride: int = 1, hidden: bool = False):
+    """``n`` (prompt ids, sampling params) pairs of workload ``kind``; ``hidden``: the
+    full-length requests carry HIDDEN_STOP (their length is not known in advance)."""
+    hide = {"stop_token_ids": [HIDDEN_STOP]} if hidden else {"stop_token_ids": []}
     chat = tokenizer is not None and getattr(tokenizer, "chat_template", None)
 
     def ask(k: int) -> list[int]:
@@ -73,7 +83,7 @@ def workload(kind: str, n: int, vocab: int, stop_ids: int, max_new: int, tokeniz
         return [(ask(k), params) for k in range(2, 2 + n * stride, stride)]
     if chat:  # short answers (EOS honoured) and full-length ones (EOS ignored)
         short = {"temperature": 0, "max_new_tokens": max_new}
-        full = {**short, "ignore_eos": True}
+        full = {**short, "ignore_eos": True, **hide}
         prompts = [ask(2 + i % 5) for i in range(n)]
         if kind == "early-eos":
             return [(p, short) for p in prompts]
@@ -85,7 +95,7 @@ def workload(kind: str, n: int, vocab: int, stop_ids: int, max_new: int, tokeniz
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 48))] for _ in range(n)]
     early = {"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new,
              "stop_token_ids": stops}
-    full = {**early, "stop_token_ids": []}
+    full = {**early, **hide}
     if kind == "early-eos":
         return [(p, early) for p in prompts]
     if kind == "full-length":
@@ -136,6 +146,9 @@ def main() -> None:
                     help="fruits: k = 2, 2 + stride, ... (fewer requests, the same spread)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per setting, the last counts")
     ap.add_argument("--settings", default="1.0,0.3,auto", help="comma-separated")
+    ap.add_argument("--lengths", choices=("hidden", "known"), default="hidden",
+                    help="whether full-length requests show that they run to max_new_tokens "
+                         "(plain ignore_eos) or carry a stop id no answer contains")
     args = ap.parse_args()
     kind = "full-length" if args.full_length else args.workload
     logging.basicConfig(level=logging.ERROR)
@@ -149,9 +162,10 @@ def main() -> None:
         tokenizer = open_checkpoint(path).load_tokenizer()
     engine_vocab = 500  # below every model's vocabulary, above the special ids
     requests = workload(kind, args.requests, engine_vocab, args.stop_ids, args.max_new_tokens,
-                        tokenizer, stride=args.fruits_stride)
+                        tokenizer, stride=args.fruits_stride, hidden=args.lengths == "hidden")
     print(f"model: {model_name(args.model, path)}; workload {kind}: {args.requests} requests, "
-          f"max_new_tokens {args.max_new_tokens}, --max-total-tokens {args.max_total_tokens}")
+          f"max_new_tokens {args.max_new_tokens}, --max-total-tokens {args.max_total_tokens}, "
+          f"--lengths {args.lengths}")
     settings = [c if c == "auto" else float(c) for c in args.settings.split(",")]
     results = {}
     for c in settings:
@@ -161,6 +175,11 @@ def main() -> None:
         print(f"  {c}: {r['seconds']:.1f} s, {r['steps']} steps, {r['retracted']} retracted",
               flush=True)
     base = results[settings[0]]
+    full = [o for o, (_, p) in zip(base["outputs"], requests)
+            if p.get("stop_token_ids") == [HIDDEN_STOP]]
+    if any(len(o) < args.max_new_tokens for o in full):
+        raise SystemExit(f"a full-length answer contains the hidden stop id {HIDDEN_STOP}: "
+                         "pick another HIDDEN_STOP")
     lengths = sorted(len(o) for o in base["outputs"])
     print(f"output tokens: median {lengths[len(lengths) // 2]}, max {lengths[-1]}, "
           f"mean {sum(lengths) / len(lengths):.1f}")

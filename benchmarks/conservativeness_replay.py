@@ -32,7 +32,10 @@ them, with the min and max of its per-order ratio to the first setting: a settin
 when its mean is below the first's by more than the first setting's own spread.
 
 ``full-length`` and ``shift`` replay early-eos's recorded prompts with every (or the second
-half's) output at max_new_tokens, as the real model does with EOS ignored.
+half's) output at max_new_tokens, as the real model does with EOS ignored; each ends by EOS on
+its 400th token, so the scheduler cannot foresee it (a natural long answer).
+``--known-lengths`` sends them with EOS ignored instead, as SGLang's bench_serving does: auto
+then plans them at their exact length (``peak_plan.runs_to_max``).
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def calibrate(path: str) -> tuple[float, float, float]:
 
 
 def replay(model: str, kind: str, lengths: list[int], real_prompts, conservativeness,
-           max_total_tokens: int, seed: int = 0, cost=STEP_COST) -> dict:
+           max_total_tokens: int, seed: int = 0, cost=STEP_COST, known: bool = False) -> dict:
     engine = Engine(model, max_total_tokens=max_total_tokens,
                     schedule_conservativeness=conservativeness)
     s = engine.scheduler
@@ -140,10 +143,14 @@ def replay(model: str, kind: str, lengths: list[int], real_prompts, conservative
     reqs = []
     for i, j in enumerate(order(n, seed)):
         prompt, length = real_prompts[j], lengths[j]
-        if kind == "full-length" or (kind == "shift" and i >= n // 2):
+        full = kind == "full-length" or (kind == "shift" and i >= n // 2)
+        if full:
             length = MAX_NEW
+        # a full-length request ends at its 400th token: by EOS (a natural long answer, its
+        # length unknown in advance) or, with ``known``, by length with EOS ignored
         r = engine.add_request([10 + t % 200 for t in prompt],
-                               {"temperature": 0, "max_new_tokens": MAX_NEW})[0]
+                               {"temperature": 0, "max_new_tokens": MAX_NEW,
+                                "ignore_eos": full and known})[0]
         target[r.rid] = length
         reqs.append(r)
     sample = s.sample
@@ -187,6 +194,9 @@ def main() -> None:
     ap.add_argument("--orders", type=int, default=1,
                     help="replay this many orders of the requests (see above)")
     ap.add_argument("--lengths", default=RECORD, help="the recorded lengths (JSON)")
+    ap.add_argument("--known-lengths", action="store_true",
+                    help="full-length requests ignore EOS (as bench_serving's do): auto knows "
+                         "they run to max_new_tokens; by default they end by EOS, unforeseen")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     path = default_model_path()
@@ -216,7 +226,8 @@ def main() -> None:
     model = make_tiny_model(tempfile.mkdtemp(), "LlamaForCausalLM", hidden_size=64,
                             intermediate_size=128, num_hidden_layers=1)
     print(f"replay of SmolLM2's {args.workload} lengths: {len(lengths)} requests, max_new_tokens "
-          f"{MAX_NEW}, --max-total-tokens {args.max_total_tokens}")
+          f"{MAX_NEW}, --max-total-tokens {args.max_total_tokens}"
+          + (", full-length ones ignore EOS (known lengths)" if args.known_lengths else ""))
     def spread(ratios) -> str:  # each order's ratio, min and max (with --orders)
         if ratios is None:
             return f" {'min x':>6} {'max x':>6}" if args.orders > 1 else ""
@@ -227,7 +238,8 @@ def main() -> None:
     base = base_cpu = None
     for c in args.settings.split(","):
         runs = [replay(model, args.workload, lengths, real, c if c == "auto" else float(c),
-                       args.max_total_tokens, seed, cost) for seed in range(args.orders)]
+                       args.max_total_tokens, seed, cost, args.known_lengths)
+                for seed in range(args.orders)]
         per_step = [r["generated"] / r["steps"] for r in runs]
         cpu = [r["cpu_s"] for r in runs]
         base, base_cpu = base or per_step, base_cpu or cpu

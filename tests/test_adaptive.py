@@ -1,5 +1,6 @@
 """--schedule-conservativeness auto: the ratio learnt from output lengths, against SGLang's 1.0."""
 
+import math
 import random
 
 import pytest
@@ -19,16 +20,21 @@ def model(tiny_model_factory):
     return tiny_model_factory("llama")
 
 
-def workload(n, max_new, early_eos, seed=0):
+NEVER = 10 ** 6  # a stop id beyond the vocabulary: never produced, but a possible stop
+
+
+def workload(n, max_new, early_eos, seed=0, known=False):
     """Greedy requests; with ``early_eos`` each stops at the first token of a fixed random set
     of 24 ids (random weights' stand-in for EOS): most stop long before max_new_tokens;
-    ``early_eos="shift"``: the first half do, the second half run to max_new_tokens."""
+    ``early_eos="shift"``: the first half do, the second half run to max_new_tokens. The
+    full-length ones carry a stop id never produced (NEVER), so their length is unknown to
+    the scheduler, as a natural long answer's; ``known``: plain ignore_eos (runs_to_max)."""
     rng = random.Random(seed)
     stops = rng.sample(range(3, 500), 24)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(6, 16))] for _ in range(n)]
     early = {"temperature": 0, "ignore_eos": True, "max_new_tokens": max_new,
              "stop_token_ids": stops}
-    full = {**early, "stop_token_ids": []}
+    full = {**early, "stop_token_ids": [] if known else [NEVER]}
     if early_eos == "shift":
         return prompts, [early if i < n // 2 else full for i in range(n)]
     return prompts, early if early_eos else full
@@ -81,6 +87,79 @@ def test_auto_on_full_length_requests_behaves_like_1_0(model):
     assert auto["retracted"] <= fixed["retracted"], (auto["retracted"], fixed["retracted"])
     assert auto["steps"] <= 1.35 * fixed["steps"], (auto["steps"], fixed["steps"])
     assert auto["ratio"].value > 0.8  # it learnt that requests run to the end
+
+
+def test_requests_certain_to_run_to_max_new_tokens_are_planned_at_their_length(model):
+    """ignore_eos without stop ids, stop strings or a grammar (what bench_serving and `engine
+    bench` send): auto counts each at its exact length (no retraction where 1.0 retracts) and
+    learns nothing about other requests' lengths from them."""
+    prompts, params = workload(16, 24, early_eos=False, known=True)
+    fixed, auto = (serve(model, c, prompts, params, pool=256) for c in (1.0, "auto"))
+    assert auto["outputs"] == fixed["outputs"]
+    assert fixed["retracted"] > 0 and auto["retracted"] == 0, \
+        (fixed["retracted"], auto["retracted"])
+    assert auto["steps"] <= 1.15 * fixed["steps"], (auto["steps"], fixed["steps"])  # 60 vs 55
+    ratio = auto["ratio"]
+    assert ratio.finished_count == 16 and ratio.observed == 0 and not ratio.done_share
+
+
+def test_what_makes_a_request_certain_to_run_to_max_new_tokens():
+    from engine.scheduler.peak_plan import runs_to_max
+
+    assert runs_to_max(req(0, 100, ignore_eos=True))
+    assert not runs_to_max(req(0, 100))  # EOS can end it
+    for field, value in (("stop_token_ids", [5]), ("stop", ["x"]), ("regex", "a+")):
+        r = req(0, 100, ignore_eos=True)
+        setattr(r.params, field, value)
+        assert not runs_to_max(r), field
+    r = req(0, 100, ignore_eos=True)
+    r.grammar = object()  # a grammar ends it when it completes
+    assert not runs_to_max(r)
+
+
+def test_a_certain_request_is_held_at_its_length():
+    """A running request certain to run to max_new_tokens holds exactly its remaining tokens at
+    the peak (no z, no model risk: the worst case), and a certain candidate raises the peak by
+    exactly what it holds then."""
+    ratio = timed_ratio(GPU)
+    for i in range(40):  # a curve of short answers: a natural request is counted short
+        ratio.finished(req(5, 100, arrival=i, reason="stop"))
+    certain = req(20, 100, prompt=30, arrival=40, ignore_eos=True)
+    rows = Rows.of([certain])
+    assert rows.certain.tolist() == [True]
+    plan = PeakPlan(ratio.curve(rows), rows, 0.0, z=4.0, risk=1.0)
+    assert plan.peak == pytest.approx(80, abs=100 / 31)  # 80 more tokens, then it ends
+    natural = PeakPlan(ratio.curve(rows), rows, 0.0, z=0.5, risk=0.0)
+    assert natural.peak == pytest.approx(plan.peak)  # nothing to be unsure of
+    # both grow for 80 steps (the peak: 80 + 10 + 80), then the running one gives back its 130
+    assert plan.reservation(req(0, 100, prompt=10, arrival=41, ignore_eos=True), 10) \
+        == pytest.approx(80, abs=100 / 31)
+    # a natural candidate: the curve's (short) without model risk, the worst case with it
+    assert natural.reservation(req(0, 100, prompt=10, arrival=41), 10) < 40
+    assert plan.reservation(req(0, 100, prompt=10, arrival=41), 10) == pytest.approx(80, abs=4)
+
+
+def test_a_certain_request_refused_by_pacing_is_tried_again_once_its_bin_clears():
+    """Known lengths are paced from the first step; a refusal stands only until the refused
+    request's finish would fall in the next bin (then the plan is made again), at most
+    PLAN_EVERY steps."""
+    from engine.scheduler.adaptive import PLAN_EVERY, REFUSAL
+
+    ratio = AdaptiveRatio()
+    ratio.steps = 5
+    running = [req(0, 64, prompt=10, arrival=0, ignore_eos=True)]
+    plan = ratio.plan(running, capacity=1024)
+    second = req(0, 64, prompt=10, arrival=1, ignore_eos=True)
+    assert plan.reservation(second, 10) == float("inf")  # it would finish with the first
+    spacing = plan.spacing(Rows.of([second], candidate_extend=10))
+    assert spacing == pytest.approx((10 * 64 + 64 * 64 / 2) / 1024)  # its known length
+    assert 0 < plan.paced <= spacing
+    stands = min(math.ceil(plan.paced), PLAN_EVERY)
+    later = [ratio.plan(running, capacity=1024) for _ in range(stands)]
+    assert later[:stands - 1] == [REFUSAL] * (stands - 1) and later[-1] is not REFUSAL
+    natural = AdaptiveRatio()  # no curve yet: a request of unknown length is not paced
+    assert natural.plan([req(0, 64, prompt=10)], capacity=1024).reservation(
+        req(0, 64, prompt=10, arrival=1), 10) < 1024
 
 
 def test_a_workload_that_turns_long_halfway_costs_few_retractions(model):
@@ -138,16 +217,18 @@ def test_auto_with_every_request_kind_in_a_tight_pool(model, overlap):
         assert a.input_logprobs[1:] == pytest.approx(f.input_logprobs[1:], abs=1e-4)
 
 
-def req(generated, max_new, prompt=10, arrival=0, cached=0, reason=None):
+def req(generated, max_new, prompt=10, arrival=0, cached=0, reason=None, ignore_eos=False):
     """A stand-in request: ``generated`` output tokens of ``max_new``."""
     from types import SimpleNamespace
 
+    from engine.sampling.params import SamplingParams
+
     out = [0] * generated
     return SimpleNamespace(output_ids=out, prompt_ids=[0] * prompt, arrival=arrival,
-                           cached_tokens=cached, finish_reason=reason,
+                           cached_tokens=cached, finish_reason=reason, grammar=None,
                            seq_len=prompt + generated, alloc_len=prompt + generated,
                            remaining_new_tokens=max_new - generated,
-                           params=SimpleNamespace(max_new_tokens=max_new))
+                           params=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos))
 
 
 def test_kaplan_meier_with_censoring_on_known_numbers():

@@ -15,6 +15,16 @@ the predicted *peak* of that usage, with it added, fits the pool:
   for new requests as soon as the recent ones outlive the old ones; PRIOR_WEIGHT pseudo-requests
   that run to max_new_tokens keep the curve flat beyond the largest observation (conservative:
   what has not been seen to stop is assumed to go on) and few observations from moving it much.
+- Requests whose length is known: one with EOS ignored and nothing else that can end it (no
+  stop ids, stop strings or grammar: ``peak_plan.runs_to_max``) generates exactly
+  max_new_tokens. SGLang's bench_serving and ``engine bench`` send such requests; SGLang's
+  schedule still reserves them by its ratio and retracts when they all run on. ``auto`` counts
+  each at its exact length (alive with probability 1 until max_new_tokens: no z, no model
+  risk), paces them from the first step (their finish times are known), leaves them out of
+  the curve and its calibration (they say nothing about how long the others run). 1.0's floor
+  still admits them where its overcommit pays (a flat step: SmolLM2's full-length requests
+  replayed at 4000 tokens ran 1.11x 1.0's tokens per step with it, 1.03x without; on a CPU's
+  step cost, where the floor stops at ``floor_rows``, the same with or without it).
 - What the pool will hold: a running request at share p is still alive t steps later with
   probability q(t) = S(p + t/max_new) / S(p) (0 once it reaches max_new_tokens), holding t more
   slots; a finished one gives back what it held. Over a grid of horizons up to the longest
@@ -38,20 +48,20 @@ the predicted *peak* of that usage, with it added, fits the pool:
 - Model risk: the variance above treats requests as independent, but when the workload changes
   (short answers, then long ones) the curve misleads about all of them at once. So a share
   ``risk`` of the gap between the curve's expectation and every request running to its
-  max_new_tokens is reserved too: MODEL_RISK always; plus 1 - hazard, where hazard (<= 1)
-  scales the curve's hazards (S**hazard) by the finishes seen over those the curve predicted,
-  step by step (requests outliving the curve lower it at once, long before they finish), with
-  a memory of the last ~10 finishes seen or predicted rather than of the last steps (so the
-  steps where nothing is due to finish keep it: a workload turned long stays long for the next
-  cohort), and requests that end at max_new_tokens left out of both (certain); plus
-  what retractions added: each raises it by RETRACT_RISK x the victims' tokens to recompute
-  over the mean running request's length, and that comes back down as requests finish
-  (evidence, counted in requests and steps, never in seconds: the same on a slow or a fast
-  machine; no wall-clock hold); plus, while little has finished, EARLY_RISK halved every
-  EARLY_HALF finished requests: a curve made of a few dozen short answers says nothing about
-  the next requests if the workload changes, and admitting a whole cohort on its word is what
-  retracts: on SmolLM2's "Name k fruits." answers turning from short to 400 tokens after 60
-  requests, 31 retractions of requests 116-391 tokens in, where 1.0 retracted 13; with it, 12.
+  max_new_tokens is reserved too: MODEL_RISK always; plus 1 - hazard, where hazard (<= 1) scales
+  the curve's hazards (S**hazard) by the finishes seen over those the curve predicted, step by
+  step (requests outliving the curve lower it at once, long before they finish), with a memory
+  of the last ~10 finishes seen or predicted rather than of the last steps (so the steps where
+  nothing is due to finish keep it: a workload turned long stays long for the next cohort), and
+  requests that end at max_new_tokens left out of both (certain); plus what retractions added:
+  each raises it by RETRACT_RISK x the victims' tokens to recompute over the mean running
+  request's length, and that comes back down as requests finish (evidence, counted in requests
+  and steps, never in seconds: the same on a slow or a fast machine; no wall-clock hold); plus,
+  while little has finished, EARLY_RISK halved every EARLY_HALF finished requests the curve
+  learnt from: a curve made of a few dozen short answers says nothing about the next requests if
+  the workload changes, and admitting a whole cohort on its word is what retracts: on SmolLM2's
+  "Name k fruits." answers turning from short to 400 tokens after 60 requests, 31 retractions of
+  requests 116-391 tokens in, where 1.0 retracted 13; with it, 12.
 - Pacing (peak_plan.py): requests of one length admitted together finish together, and a pool
   filled in lockstep is on average only (prompt + L/2) / (prompt + L) used (0.55 for prompts of
   28 and L = 256), where requests spread over their lifetimes keep it nearly full. Admitting
@@ -88,13 +98,14 @@ the predicted *peak* of that usage, with it added, fits the pool:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import NormalDist
 
 import numpy as np
 
 from engine.scheduler.admission import NewTokenRatio, SumPlan, reservable_tokens
-from engine.scheduler.peak_plan import PeakPlan, Rows
+from engine.scheduler.peak_plan import PeakPlan, Rows, runs_to_max
 from engine.scheduler.step_cost import StepCostFit
 from engine.scheduler.survival import SurvivalCurve
 
@@ -155,6 +166,7 @@ class AdaptiveRatio:
         self._finished_now = 0
         self.steps = 0  # decode steps (pacing's clock)
         self.finished_count = 0
+        self.observed = 0  # finished requests the curve learnt from (not runs_to_max ones)
         self.floor = NewTokenRatio(1.0)  # what --schedule-conservativeness 1.0 admits (FloorPlan)
         self.victims = 0  # requests retracted so far (the floor's budget)
         self.floor_off_until = 0  # finished requests: the floor is off after a retraction
@@ -175,7 +187,7 @@ class AdaptiveRatio:
         """The share of the gap between the curve's expectation and running to max_new_tokens
         reserved as model risk: MODEL_RISK, plus how far the curve over-predicted finishes
         lately (1 - hazard), plus what retractions added."""
-        early = EARLY_RISK * 0.5 ** (self.finished_count / EARLY_HALF)
+        early = EARLY_RISK * 0.5 ** (self.observed / EARLY_HALF)
         return min(MODEL_RISK + early + (1 - self.hazard) + self.retraction_risk, 1.0)
 
     # -- the curve ---------------------------------------------------------------------------
@@ -183,26 +195,31 @@ class AdaptiveRatio:
         """Finished requests (events) and ``rows`` (running: censored at their share), weighted
         by arrival recency, plus PRIOR_WEIGHT censored at share 1; calibrated by ``hazard``."""
         rows = rows if rows is not None else Rows.of([])
+        natural = ~rows.certain  # requests certain to run to max_new_tokens say nothing of it
         done_share = np.fromiter(self.done_share, np.float64, len(self.done_share))
         done_arrival = np.fromiter(self.done_arrival, np.float64, len(self.done_arrival))
-        arrivals = np.concatenate([done_arrival, rows.arrival])
+        arrivals = np.concatenate([done_arrival, rows.arrival[natural]])
         newest = arrivals.max() if len(arrivals) else 0.0
         weights = np.concatenate([0.5 ** ((newest - arrivals) / HALF_LIFE), [PRIOR_WEIGHT]])
-        shares = np.concatenate([done_share, rows.p, [1.0]])
-        events = np.concatenate([np.ones(len(done_share), bool), np.zeros(len(rows.p) + 1, bool)])
+        shares = np.concatenate([done_share, rows.p[natural], [1.0]])
+        events = np.concatenate([np.ones(len(done_share), bool),
+                                 np.zeros(int(natural.sum()) + 1, bool)])
         self.last_curve = SurvivalCurve(shares, events, weights, self.hazard)
         return self.last_curve
 
     def finished(self, req) -> None:
         if req.finish_reason in ("stop", "length") and req.params.max_new_tokens:
+            self.finished_count += 1
+            self.retraction_risk *= 1 - RISK_DECAY
+            if runs_to_max(req):  # its length was known: no evidence about the others'
+                return
+            self.observed += 1
             self.done_share.append(_share(req))
             self.done_arrival.append(req.arrival)
             # one the plan's prediction covered: "length", or a stop on the last token
             # max_new_tokens allowed, was certain (_expected_finishes leaves those out)
             self._finished_now += req.finish_reason == "stop" and \
                 len(req.output_ids) < req.params.max_new_tokens
-            self.finished_count += 1
-            self.retraction_risk *= 1 - RISK_DECAY
 
     # -- z -----------------------------------------------------------------------------------
     def priced_z(self, curve: SurvivalCurve, rows: Rows) -> float:
@@ -281,7 +298,7 @@ class AdaptiveRatio:
     @staticmethod
     def _expected_finishes(curve: SurvivalCurve, rows: Rows) -> float:
         """How many of ``rows`` ``curve`` expects to finish (stop) in the coming step."""
-        live = rows.rem > 1
+        live = (rows.rem > 1) & ~rows.certain  # a known length's finish is no prediction
         p, m = rows.p[live], rows.m[live]
         now = curve(p)
         nxt = curve(p + 1 / m)
@@ -296,11 +313,16 @@ class AdaptiveRatio:
         between two finishes the running requests only grow, each as the last plan foresaw:
         its refusal stands. So after a plan that admitted nothing, with requests running and
         none finished, retracted or added since, the next PLAN_EVERY - 1 steps refuse without
-        planning (``Refusal``; a request arriving meanwhile waits those steps at most)."""
+        planning (``Refusal``; a request arriving meanwhile waits those steps at most), or
+        fewer where pacing refused a request of known length: only until its finish would
+        move into the next bin (``PeakPlan.paced``)."""
         key = (self.finished_count, self.retractions, len(running))
         last = self._last_plan
+        # a certain candidate refused by pacing: until its finish reaches the next bin
+        stands = min(math.ceil(last.paced), PLAN_EVERY) if last is not None and last.paced \
+            else PLAN_EVERY
         if running and last is not None and key == self._last_key and \
-                self._skipped < PLAN_EVERY - 1 and not last.peak_admissions:
+                self._skipped < stands - 1 and not last.peak_admissions:
             self._skipped += 1
             # the calibration goes on every step: the finishes this step's forward brings
             # against the last plan's prediction (comparing only on planned steps, which follow
@@ -324,8 +346,8 @@ class AdaptiveRatio:
         curve = self.curve(rows)
         self.z = self.priced_z(curve, rows)
         pending = float(sum(r.seq_len - r.alloc_len for r in running if r.seq_len > r.alloc_len))
-        pacing = capacity if len(self.done_share) >= PACE_MIN_FINISHED else None
-        plan = PeakPlan(curve, rows, pending, self.z, self.risk, pacing, self.steps)
+        plan = PeakPlan(curve, rows, pending, self.z, self.risk, capacity, self.steps,
+                        curve_paces=len(self.done_share) >= PACE_MIN_FINISHED)
         # the calibration compares the uncalibrated curve's prediction with what happens
         self._predicted_now = self._expected_finishes(curve, rows) / self.hazard
         self._last_predicted = self._predicted_now
@@ -337,6 +359,8 @@ class AdaptiveRatio:
         remaining = reservable_tokens(req)
         if not remaining or not req.params.max_new_tokens:
             return 0.0
+        if runs_to_max(req):
+            return float(remaining)
         curve = self.last_curve or self.curve()
         return min(curve.expected_share(_share(req)) * req.params.max_new_tokens, remaining)
 
@@ -408,6 +432,7 @@ class Refusal:
 
     held = float("inf")
     peak_admissions = 0
+    paced = 0.0
 
     def reservation(self, req, extend: int) -> float:
         return float("inf")
@@ -438,10 +463,14 @@ class FloorPlan:
     def peak_admissions(self) -> int:
         return self.peak.peak_admissions
 
+    @property
+    def paced(self) -> float:
+        return self.peak.paced
+
     def reservation(self, req, extend: int) -> float:
         # once the floor's room is used up its account stops counting (inf): the peak alone
-        by_floor = self.r_floor + self.floor.reservation(req, extend) if self.room >= 1 \
-            else float("inf")
+        by_floor = self.r_floor + self.floor.reservation(req, extend) \
+            if self.room >= 1 else float("inf")
         by_peak = self.r_peak + self.peak.reservation(req, extend)  # inf: pacing refuses
         self._last = (req, extend, by_floor, by_peak)
         if by_peak == float("inf"):

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.sampling.params import CONSTRAINT_FIELDS
 from engine.scheduler.admission import CLIP_MAX_NEW_TOKENS
 from engine.scheduler.survival import SurvivalCurve
 
 GRID = 32  # horizons at which the usage is predicted (0 .. the longest remaining output)
 PACE_SLACK = 1.5  # a finish-time bin may hold this x its steady-state share of finishes
+
+
+def runs_to_max(req) -> bool:
+    """Whether ``req`` is certain to generate exactly max_new_tokens: EOS ignored and nothing
+    else that can end it (no stop token ids, stop strings or grammar). Benchmark traffic is
+    mostly such (SGLang's bench_serving and ``engine bench`` send ``ignore_eos``): ``auto``
+    plans such a request at its length, not on the curve, and leaves it out of the curve."""
+    p = req.params
+    return bool(p.ignore_eos and not p.stop_token_ids and not p.stop and req.grammar is None
+                and not any(getattr(p, f, None) for f in CONSTRAINT_FIELDS))
 
 
 class PeakPlan:
@@ -23,15 +34,22 @@ class PeakPlan:
     """
 
     def __init__(self, curve: SurvivalCurve, rows: Rows, pending: float, z: float, risk: float,
-                 capacity: float | None = None, now: int = 0):
+                 capacity: float | None = None, now: int = 0, curve_paces: bool = True):
         self.curve, self.z, self.risk = curve, z, risk
         self.capacity = capacity  # the pool's tokens: pacing (None: no pacing)
+        # pacing a candidate of unknown length needs a curve learnt from finishes (before it
+        # is only its prior); one certain to run to max_new_tokens is paced from the start
+        self.curve_paces = curve_paces
         self.now = now  # decode steps so far: pacing's bins are fixed in time, not to now
         self.rows = rows
         self.horizon = max(float(rows.rem.max()) if len(rows.p) else 0.0, 1.0)
         self._build()
         self.committed = self.peak  # the peak the scheduler's reserve stands for
         self.peak_admissions = 0  # requests admitted on this plan
+        # steps until the finish of a certain candidate pacing refused moves into the next bin
+        # (the bins stay in time), after which AdaptiveRatio.plan plans again; 0: none refused
+        # (a natural candidate's finish is spread over many bins: its refusal stands longer)
+        self.paced = 0.0
         self.held = self.peak + pending
 
     def _build(self) -> None:
@@ -69,6 +87,7 @@ class PeakPlan:
         s_now = self.curve(rows.p)
         s_now = np.where(s_now > 0, s_now, 1.0)[:, None]  # past every observation: flat
         q = np.minimum(self.curve(rows.p[:, None] + t[None, :] / rows.m[:, None]) / s_now, 1.0)
+        q = np.where(rows.certain[:, None], 1.0, q)  # runs_to_max: alive until its rem
         return np.where(t[None, :] < rows.rem[:, None], q, 0.0)
 
     @staticmethod
@@ -102,12 +121,16 @@ class PeakPlan:
         """Steps between two finishes when the pool is kept full of requests like ``cand``
         (steady state): a request's expected token-steps (prompt x E[L] + E[L^2] / 2) over
         the pool's tokens."""
-        grid = np.linspace(0.0, 1.0, 257)
-        s = self.curve(grid)
-        dx = np.diff(grid)
-        m = float(cand.m[0])
-        length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
-        square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]: 2x S(x)
+        if cand.certain[0]:  # its length is known (runs_to_max)
+            length = float(cand.rem[0])
+            square = length * length
+        else:
+            grid = np.linspace(0.0, 1.0, 257)
+            s = self.curve(grid)
+            dx = np.diff(grid)
+            m = float(cand.m[0])
+            length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
+            square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]
         area = float(cand.start[0]) * length + square / 2
         return max(area, 1.0) / self.capacity
 
@@ -116,20 +139,29 @@ class PeakPlan:
         finish probability there, itself included) exceed PACE_SLACK x the steady-state rate.
         Bins are at least one steady-state spacing wide and fixed in time (a request that
         finishes a step after another, admitted a step later, falls in its bin)."""
-        if self.capacity is None:
+        if self.capacity is None or not (self.curve_paces or cand.certain[0]):
             return False
         spacing = self.spacing(cand)
         width = self.horizon / (GRID - 1)
         if spacing <= width:  # the plan's own grid is fine enough
             crowd = float((finishes * (self.finishes + finishes)).sum())
-            return crowd > max(PACE_SLACK * width / spacing, 1.0)
+            if crowd > max(PACE_SLACK * width / spacing, 1.0):
+                self.paced = 1.0 if cand.certain[0] else 0.0  # (this grid moves with now)
+                return True
+            return False
         # bins of one spacing, their edges at multiples of it counted from the first step
         first = spacing - self.now % spacing
         edges = np.concatenate([[0.0], np.arange(first, self.horizon + spacing, spacing)])
         own = self.per_bin(self.alive(cand, edges))
         others = self.per_bin(self.alive(self.rows, edges)) if len(self.rows.p) else 0.0
         crowd = float((own * (others + own)).sum())
-        return crowd > max(PACE_SLACK, 1.0)
+        if crowd > max(PACE_SLACK, 1.0):
+            if cand.certain[0]:  # its finish, rem steps on, reaches the next edge after this
+                rem = float(cand.rem[0])
+                ahead = edges[edges > rem]
+                self.paced = float(ahead[0] - rem) if len(ahead) else 1.0
+            return True
+        return False
 
     def admitted(self, req, extend: int) -> None:
         self.peak_admissions += 1
@@ -150,26 +182,28 @@ class Rows:
     """Requests as arrays: share p, max_new m, remaining tokens, slots given back when they
     finish (own), slots taken when admitted (start), arrival."""
 
-    __slots__ = ("p", "m", "rem", "own", "start", "arrival")
+    __slots__ = ("p", "m", "rem", "own", "start", "arrival", "certain")
 
-    def __init__(self, p, m, rem, own, start, arrival):
+    def __init__(self, p, m, rem, own, start, arrival, certain):
         self.p, self.m, self.rem = p, m, rem
         self.own, self.start, self.arrival = own, start, arrival
+        self.certain = certain  # runs_to_max: generates exactly max_new_tokens
 
     @classmethod
     def of(cls, reqs, candidate_extend: int | None = None) -> Rows:
         # one pass over the requests (a step with hundreds running must stay cheap)
         a = np.array([(r.params.max_new_tokens, len(r.output_ids), len(r.prompt_ids),
-                       r.cached_tokens, r.arrival) for r in reqs if r.params.max_new_tokens],
-                     dtype=np.float64).reshape(-1, 5)
-        m, out, prompt, cached, arrival = a.T
+                       r.cached_tokens, r.arrival, r.params.ignore_eos and runs_to_max(r))
+                      for r in reqs if r.params.max_new_tokens],
+                     dtype=np.float64).reshape(-1, 6)
+        m, out, prompt, cached, arrival, certain = a.T
         rem = np.clip(m - out, 0, CLIP_MAX_NEW_TOKENS)  # admission.reservable_tokens
         if candidate_extend is None:  # running: finishing gives back all but the prefix it
             own = np.maximum(prompt + out - cached, 0)  # found cached (others hold that)
             start = np.zeros(len(m))
         else:
             own, start = np.zeros(len(m)), np.full(len(m), float(candidate_extend))
-        return cls(np.minimum(out / m, 1.0), m, rem, own, start, arrival)
+        return cls(np.minimum(out / m, 1.0), m, rem, own, start, arrival, certain > 0)
 
     @property
     def victim_len(self) -> float:
