@@ -132,6 +132,13 @@ class PeakPlan:
             length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
             square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]
         area = float(cand.start[0]) * length + square / 2
+        if cand.certain[0]:
+            # known lengths stream at this spacing from the first step; the pool peaks just
+            # before each finish, L / 2 above its mean use, and two admissions in adjacent bins
+            # can be up to a bin closer than the spacing: spaced over the pool less one
+            # request's length (SmolLM2's full-length replay at 4000 tokens: 0.99x 1.0's
+            # tokens per step over the whole pool, 1.07x over it less L, 1.05x less L / 2)
+            return max(area, 1.0) / max(self.capacity - length, self.capacity / 2)
         return max(area, 1.0) / self.capacity
 
     def crowded(self, cand: Rows, finishes: np.ndarray) -> bool:
