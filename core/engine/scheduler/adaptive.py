@@ -20,11 +20,12 @@ the predicted *peak* of that usage, with it added, fits the pool:
   max_new_tokens. SGLang's bench_serving and ``engine bench`` send such requests; SGLang's
   schedule still reserves them by its ratio and retracts when they all run on. ``auto`` counts
   each at its exact length (alive with probability 1 until max_new_tokens: no z, no model
-  risk), paces them from the first step (their finish times are known), leaves them out of
-  the curve and its calibration (they say nothing about how long the others run). 1.0's floor
-  still admits them where its overcommit pays (a flat step: SmolLM2's full-length requests
-  replayed at 4000 tokens ran 1.11x 1.0's tokens per step with it, 1.03x without; on a CPU's
-  step cost, where the floor stops at ``floor_rows``, the same with or without it).
+  risk), paces them from the first step (their finish times are known; peak_plan.spacing),
+  leaves them out of the curve and its calibration (they say nothing about how long the others
+  run). 1.0's floor still admits them where its overcommit pays (a flat step: SmolLM2's
+  full-length requests replayed at 4000 tokens ran 1.11x 1.0's tokens per step with it, 1.03x
+  without; on a CPU's step cost, where the floor stops at ``floor_rows``, the same with or
+  without it).
 - What the pool will hold: a running request at share p is still alive t steps later with
   probability q(t) = S(p + t/max_new) / S(p) (0 once it reaches max_new_tokens), holding t more
   slots; a finished one gives back what it held. Over a grid of horizons up to the longest
@@ -469,8 +470,8 @@ class FloorPlan:
 
     def reservation(self, req, extend: int) -> float:
         # once the floor's room is used up its account stops counting (inf): the peak alone
-        by_floor = self.r_floor + self.floor.reservation(req, extend) \
-            if self.room >= 1 else float("inf")
+        by_floor = self.r_floor + self.floor.reservation(req, extend) if self.room >= 1 \
+            else float("inf")
         by_peak = self.r_peak + self.peak.reservation(req, extend)  # inf: pacing refuses
         self._last = (req, extend, by_floor, by_peak)
         if by_peak == float("inf"):
