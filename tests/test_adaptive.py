@@ -177,10 +177,12 @@ def test_a_workload_that_turns_long_halfway_costs_few_retractions(model):
                                      {"chunked_prefill_size": 16},
                                      {"speculative_algorithm": "NGRAM"}],
                          ids=["overlap", "chunked", "ngram"])
-def test_auto_and_its_floor_in_every_scheduler_mode(model, options):
-    """The floored plan admits through the same scheduler paths in every mode: the same
-    greedy outputs as 1.0, the slot invariant after every step (serve checks it)."""
-    prompts, params = workload(32, 32, early_eos="shift")
+@pytest.mark.parametrize("known", [False, True], ids=["natural", "known-lengths"])
+def test_auto_and_its_floor_in_every_scheduler_mode(model, options, known):
+    """The floored plan admits through the same scheduler paths in every mode, for requests of
+    unknown and of known length: the same greedy outputs as 1.0, the slot invariant after
+    every step (serve checks it)."""
+    prompts, params = workload(32, 32, early_eos="shift", known=known)
     fixed, auto = (serve(model, c, prompts, params, pool=288, **options) for c in (1.0, "auto"))
     assert auto["outputs"] == fixed["outputs"]
     assert fixed["usage"] > 0.5 and auto["usage"] > 0.5  # requests waited for a full pool
