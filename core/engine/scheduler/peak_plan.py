@@ -124,6 +124,12 @@ class PeakPlan:
         if cand.certain[0]:  # its length is known (runs_to_max)
             length = float(cand.rem[0])
             square = length * length
+            # known lengths stream at this spacing from the first step; the pool peaks just
+            # before each finish, L / 2 above its mean use, and two admissions in adjacent bins
+            # can be up to a bin closer than the spacing: spaced over the pool less one
+            # request's length (SmolLM2's full-length replay at 4000 tokens: 0.99x 1.0's
+            # tokens per step over the whole pool, 1.07x over it less L, 1.05x less L / 2)
+            pool = max(self.capacity - length, self.capacity / 2)
         else:
             grid = np.linspace(0.0, 1.0, 257)
             s = self.curve(grid)
@@ -131,15 +137,9 @@ class PeakPlan:
             m = float(cand.m[0])
             length = m * float(((s[1:] + s[:-1]) / 2 * dx).sum())  # E[L]
             square = m * m * float((grid[1:] * (s[1:] + s[:-1]) * dx).sum())  # E[L^2]
+            pool = self.capacity
         area = float(cand.start[0]) * length + square / 2
-        if cand.certain[0]:
-            # known lengths stream at this spacing from the first step; the pool peaks just
-            # before each finish, L / 2 above its mean use, and two admissions in adjacent bins
-            # can be up to a bin closer than the spacing: spaced over the pool less one
-            # request's length (SmolLM2's full-length replay at 4000 tokens: 0.99x 1.0's
-            # tokens per step over the whole pool, 1.07x over it less L, 1.05x less L / 2)
-            return max(area, 1.0) / max(self.capacity - length, self.capacity / 2)
-        return max(area, 1.0) / self.capacity
+        return max(area, 1.0) / pool
 
     def crowded(self, cand: Rows, finishes: np.ndarray) -> bool:
         """Whether the requests expected to finish in ``cand``'s bins (weighted by its own
@@ -150,25 +150,26 @@ class PeakPlan:
             return False
         spacing = self.spacing(cand)
         width = self.horizon / (GRID - 1)
+        rem = float(cand.rem[0])
         if spacing <= width:  # the plan's own grid is fine enough
             crowd = float((finishes * (self.finishes + finishes)).sum())
-            if crowd > max(PACE_SLACK * width / spacing, 1.0):
-                self.paced = 1.0 if cand.certain[0] else 0.0  # (this grid moves with now)
-                return True
+            limit = max(PACE_SLACK * width / spacing, 1.0)
+            wait = 1.0  # this grid moves with now
+        else:
+            # bins of one spacing, their edges at multiples of it counted from the first step
+            first = spacing - self.now % spacing
+            edges = np.concatenate([[0.0], np.arange(first, self.horizon + spacing, spacing)])
+            own = self.per_bin(self.alive(cand, edges))
+            others = self.per_bin(self.alive(self.rows, edges)) if len(self.rows.p) else 0.0
+            crowd = float((own * (others + own)).sum())
+            limit = max(PACE_SLACK, 1.0)
+            ahead = edges[edges > rem]  # a finish rem steps on reaches the next edge after it
+            wait = float(ahead[0] - rem) if len(ahead) else 1.0
+        if crowd <= limit:
             return False
-        # bins of one spacing, their edges at multiples of it counted from the first step
-        first = spacing - self.now % spacing
-        edges = np.concatenate([[0.0], np.arange(first, self.horizon + spacing, spacing)])
-        own = self.per_bin(self.alive(cand, edges))
-        others = self.per_bin(self.alive(self.rows, edges)) if len(self.rows.p) else 0.0
-        crowd = float((own * (others + own)).sum())
-        if crowd > max(PACE_SLACK, 1.0):
-            if cand.certain[0]:  # its finish, rem steps on, reaches the next edge after this
-                rem = float(cand.rem[0])
-                ahead = edges[edges > rem]
-                self.paced = float(ahead[0] - rem) if len(ahead) else 1.0
-            return True
-        return False
+        if cand.certain[0]:
+            self.paced = wait
+        return True
 
     def admitted(self, req, extend: int) -> None:
         self.peak_admissions += 1
