@@ -117,6 +117,34 @@ def test_what_makes_a_request_certain_to_run_to_max_new_tokens():
     assert not runs_to_max(r)
 
 
+def test_a_grammar_ends_a_request_that_ignores_eos_and_auto_does_not_count_on_its_length(model):
+    """A request that ignores EOS under a grammar is not of known length (the grammar ends it):
+    beside requests of known length in a tight pool, auto gives every request 1.0's tokens, the
+    grammar's request stops where its grammar completes, and only it taught the curve."""
+    from engine.interfaces import Constraint
+    from engine.scheduler.peak_plan import runs_to_max
+
+    prompts, params = workload(12, 24, early_eos=False, known=True)
+    regex = Constraint("regex", "(ab|cd)+x", "regex")
+
+    def outputs(conservativeness):
+        engine = Engine(model, device="cpu", max_total_tokens=200,
+                        schedule_conservativeness=conservativeness)
+        reqs = [engine.add_request(p, {**params, "temperature": 0.9, "seed": i},
+                                   **({"constraint": regex} if i % 4 == 0 else {}))[0]
+                for i, p in enumerate(prompts)]
+        assert [runs_to_max(r) for r in reqs] == [i % 4 != 0 for i in range(len(reqs))]
+        drain(engine, 2000)
+        return reqs, engine.scheduler
+
+    (auto, scheduler), (fixed, _) = outputs("auto"), outputs(1.0)
+    assert [r.output_ids for r in auto] == [r.output_ids for r in fixed]
+    grammar = [r for r in auto if r.grammar is not None]
+    assert all(r.finish_reason == "stop" and len(r.output_ids) < 24 for r in grammar)
+    assert all(len(r.output_ids) == 24 for r in auto if r.grammar is None)
+    assert scheduler.ratio.observed == len(grammar) == len(scheduler.ratio.done_share)
+
+
 def test_a_certain_request_is_held_at_its_length():
     """A running request certain to run to max_new_tokens holds exactly its remaining tokens at
     the peak (no z, no model risk: the worst case), and a certain candidate raises the peak by
