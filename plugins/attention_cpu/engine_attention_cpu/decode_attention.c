@@ -1,20 +1,24 @@
 /* Paged decode attention on the CPU: one query token per request, K/V read straight from the
  * pool through the request-to-token table (no gather copy), online softmax in blocks of keys.
  *
- * Work item = (request, a range of its keys, every head): a slot's K (or V) row holds all KV
- * heads side by side, so an item streams whole rows, and the G = H / KVH query heads of a KV
- * head share every row loaded. With many requests an item is a whole request; with few (fewer
- * than 4 per thread) each request's keys are cut into chunks so that every thread has work
- * (split-KV, "flash decoding"): each chunk leaves its softmax state (max, sum, weighted values)
- * in scratch and a second phase, after a barrier, merges a request's chunks. Items are dealt
- * round-robin to the threads. Batch-invariant: a request's keys are cut into the same chunks
- * (their size a function of its own key count alone) and the chunks' states folded in the same
- * order whether the chunks are split over the threads or one thread attends the whole
- * request, so a row's result does not depend on the other rows of the step (a token verified
- * among drafts gets the bits it gets when decoded alone; with int8 activations a last-bit
- * difference can change a token). Where the head dim is a multiple of 16 (up to 128) the scores of
- * 16 keys are reduced together, the softmax's exp runs on 16 lanes and the weighted values
- * accumulate in registers (attend_keys_v); other head dims take the plain loops (attend_keys).
+ * Work item = (a group of rows, a range of their keys, every head): a slot's K (or V) row holds
+ * all KV heads side by side, so an item streams whole rows, and the G = H / KVH query heads of
+ * a KV head share every row loaded. A group is one row, or a request's rows side by side (draft
+ * tokens verified together, each with its own length: group_rows), which share every key they
+ * both read, fetched from memory once for all of them. With many groups an item is a whole
+ * group; with few (fewer than 4 per thread) each group's keys are cut into chunks so that
+ * every thread has work (split-KV, "flash decoding"): each row's chunk leaves its softmax state
+ * (max, sum, weighted values) in scratch and a second phase, after a barrier, merges a row's
+ * chunks. Items are dealt round-robin to the threads (claimed as threads come free in the
+ * graph). Batch-invariant: a row's keys are cut into the same chunks (their size a function of
+ * its own key count alone: rows are grouped only where those agree), each chunk is attended
+ * with the same blocks and operations whatever rows share it, and the chunks' states are folded
+ * in the same order whether the chunks are split over the threads or one thread attends them
+ * all, so a row's result does not depend on the other rows of the step (a token verified among
+ * drafts gets the bits it gets when decoded alone; with int8 activations a last-bit difference
+ * can change a token). Where the head dim is a multiple of 16 (up to 128) the scores of 16 keys
+ * are reduced together, the softmax's exp runs on 16 lanes and the weighted values accumulate
+ * in registers (attend_rows_v); other head dims take the plain loops (attend_keys).
  *
  * Pool layout: [slots, KVH, D], element type float32, bfloat16 or float16 (converted to float32
  * on load, then multiplied by the layer's K or V scale). Two entry points share the kernel:
@@ -34,7 +38,8 @@
 #define PREFETCH 16     /* keys ahead whose K and V rows are prefetched (into L2) */
 #define MIN_CHUNK 32    /* fewest keys in a chunk */
 #define CHUNKS 4        /* a request's keys are cut into at most this many chunks */
-#define MAX_ITEMS 128   /* split items per call (the scratch holds their states) */
+#define MAX_ITEMS 128   /* split chunks per call (the scratch holds their states) */
+#define GROUP_MAX 16    /* rows of one request attended together */
 
 /* ---------------------------------------------------------------- CPU graph node */
 
@@ -74,8 +79,8 @@ typedef struct {
     const int64_t *q_rows;
     float *out;             /* the same rows as q */
     int64_t ldo;
-    const float *k_new, *v_new; /* the new token's K / V rows (ld_new apart), stored first; or
-                                 * NULL: already in the pool */
+    const float *k_new, *v_new; /* the new tokens' K / V rows (ld_new apart): what the graph's
+                                 * store node stores (NULL in the attention itself) */
     int64_t ld_new;
     const int64_t *new_slots;
     int scaled;             /* storing: value / scale, clamped to the dtype's range */
@@ -105,16 +110,6 @@ static inline int64_t row_chunks(const prob_t *p, int64_t b) {
     const int64_t W = p->seq_lens[b] - key_start(p, b), C = req_chunk(p, b);
     return W > C ? (W + C - 1) / C : 1;
 }
-
-/* whether this call's items are chunks (split over the threads) rather than whole requests:
- * with few requests (fewer than 4 per thread), where the scratch holds every chunk's state */
-static int split_items(const prob_t *p, int nth) {
-    if (!p->partial || p->B >= 4 * nth) return 0;
-    int64_t items = 0;
-    for (int64_t b = 0; b < p->B; b++) items += row_chunks(p, b);
-    return items <= MAX_ITEMS;
-}
-
 
 static inline void prefetch_row(const void *pool, int64_t off, int64_t bytes, int esize) {
     const char *c = (const char *)pool + off * esize;
@@ -247,57 +242,75 @@ static inline void weighted_rows(float *acc, const float *const *rows, const flo
 }
 
 /* attend_keys for D a multiple of 16 (at most 128 for the register accumulators, the usual
- * 64 and 128 specialised): per block of 16 keys, each head's 16 dot products end as 16
- * vectors of partial sums reduced together (hsum16), and the weighted values accumulate per
- * head over the block's rows in registers */
-static void attend_keys_v(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
-                          int64_t j1, int64_t jp, float *m, float *l, float *acc) {
+ * 64 and 128 specialised), for R query rows of one request at once (draft tokens verified
+ * together: the same keys, each row up to its own end j1s[r]): per block of 16 keys the K and
+ * V rows are fetched from memory once, by the first row, and stay in L1 for the others; each
+ * row's arithmetic is exactly the one-row kernel's (its 16 dot products per head end as 16
+ * vectors of partial sums reduced together, hsum16, keys past its end counted as zero sums
+ * as a one-row block past the chunk's end is; the weighted values accumulate per head over
+ * the block's rows in registers), so a row's bits do not depend on the rows beside it.
+ * State: m and l R x H, acc R x H x D (row r's at r H and r H D). */
+static void attend_rows_v(const prob_t *p, int64_t R, const float *const *qs,
+                          const int32_t *tab, int64_t j0, const int64_t *j1s, int64_t jp,
+                          float *ms, float *ls, float *accs) {
     prefetch_keys(p, tab, j0, j0 + PREFETCH < jp ? j0 + PREFETCH : jp);
     const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D, DV = D / 16;
     const int convert = p->dtype != F32 || p->k_scale != 1.0f || p->v_scale != 1.0f;
+    static __thread kept_t conv_kept; /* 16 K and 16 V rows as float32, where converted */
+    float *kt = convert ? kept_bytes(&conv_kept, (size_t)(32 * row) * sizeof(float)) : NULL;
+    float *vt = convert ? kt + 16 * row : NULL;
     v16 part[H * 16];
-    float s[H * 16], kt[row], vt[convert ? 16 * row : 1];
-    const float *vrows[16];
-    for (int64_t h = 0; h < H; h++) { m[h] = -INFINITY; l[h] = 0.0f; }
-    memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t jb = j0; jb < j1; jb += 16) {
-        const int64_t n = j1 - jb < 16 ? j1 - jb : 16;
-        for (int64_t j = 0; j < n; j++) {
-            const float *k = next_key(p, tab, jb + j, jp, kt);
-            for (int64_t kh = 0, h = 0; kh < KVH; kh++)
-                for (int64_t g = 0; g < G; g++, h++)
-                    part[h * 16 + j] = DV == 4 ? dot16(q + h * D, k + kh * D, 4)
-                                     : DV == 8 ? dot16(q + h * D, k + kh * D, 8)
-                                               : dot16(q + h * D, k + kh * D, DV);
-        }
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t j = n; j < 16; j++) part[h * 16 + j] = (v16){0};
-        for (int64_t h = 0; h < H; h++) {
-            float *sh = s + h * 16, mx = m[h];
-            st16(sh, hsum16(part + h * 16) * p->scale);
-            for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
-            st16(sh, vexp16(ld16(sh) - mx));
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) sum += sh[j];
-            if (mx != m[h]) {
-                const float corr = expf(m[h] - mx);
-                const v16 cv = (v16){0} + corr;
-                float *ah = acc + h * D;
-                for (int64_t c = 0; c < DV; c++) st16(ah + 16 * c, ld16(ah + 16 * c) * cv);
-                l[h] *= corr;
-                m[h] = mx;
-            }
-            l[h] += sum;
-        }
-        for (int64_t j = 0; j < n; j++)
+    float s[H * 16];
+    const float *krows[16], *vrows[16];
+    int64_t jmax = j0;
+    for (int64_t r = 0; r < R; r++) jmax = j1s[r] > jmax ? j1s[r] : jmax;
+    for (int64_t i = 0; i < R * H; i++) { ms[i] = -INFINITY; ls[i] = 0.0f; }
+    memset(accs, 0, (size_t)(R * H * D) * sizeof(float));
+    for (int64_t jb = j0; jb < jmax; jb += 16) {
+        const int64_t nb = jmax - jb < 16 ? jmax - jb : 16;
+        for (int64_t j = 0; j < nb; j++)
+            krows[j] = next_key(p, tab, jb + j, jp, convert ? kt + j * row : NULL);
+        for (int64_t j = 0; j < nb; j++)
             vrows[j] = load_row(p->v_pool, p->dtype, tab[jb + j] * row, row, p->v_scale,
-                                vt + (convert ? j * row : 0));
-        for (int64_t kh = 0, h = 0; kh < KVH; kh++)
-            for (int64_t g = 0; g < G; g++, h++) {
-                if (DV == 4) weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 4);
-                else if (DV == 8) weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 8);
-                else weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, DV);
+                                convert ? vt + j * row : NULL);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t n = j1s[r] - jb < nb ? j1s[r] - jb : nb;
+            if (n <= 0) continue; /* this row's keys ended before the block */
+            const float *q = qs[r];
+            float *m = ms + r * H, *l = ls + r * H, *acc = accs + r * H * D;
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t kh = 0, h = 0; kh < KVH; kh++)
+                    for (int64_t g = 0; g < G; g++, h++)
+                        part[h * 16 + j] = DV == 4 ? dot16(q + h * D, krows[j] + kh * D, 4)
+                                         : DV == 8 ? dot16(q + h * D, krows[j] + kh * D, 8)
+                                                   : dot16(q + h * D, krows[j] + kh * D, DV);
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t j = n; j < 16; j++) part[h * 16 + j] = (v16){0};
+            for (int64_t h = 0; h < H; h++) {
+                float *sh = s + h * 16, mx = m[h];
+                st16(sh, hsum16(part + h * 16) * p->scale);
+                for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+                st16(sh, vexp16(ld16(sh) - mx));
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; j++) sum += sh[j];
+                if (mx != m[h]) {
+                    const float corr = expf(m[h] - mx);
+                    const v16 cv = (v16){0} + corr;
+                    float *ah = acc + h * D;
+                    for (int64_t c = 0; c < DV; c++) st16(ah + 16 * c, ld16(ah + 16 * c) * cv);
+                    l[h] *= corr;
+                    m[h] = mx;
+                }
+                l[h] += sum;
             }
+            for (int64_t kh = 0, h = 0; kh < KVH; kh++)
+                for (int64_t g = 0; g < G; g++, h++) {
+                    if (DV == 4) weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 4);
+                    else if (DV == 8)
+                        weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, 8);
+                    else weighted_rows(acc + h * D, vrows, s + h * 16, n, kh * D, DV);
+                }
+        }
     }
 }
 
@@ -311,11 +324,18 @@ static void finish(const float *l, const float *acc, int64_t H, int64_t D, float
 static void store(void *pool, int dtype, int64_t off, const float *x, int64_t n, int scaled,
                   float scale);
 
-/* the vector path where the head dim allows it */
-static inline void attend(const prob_t *p, const float *q, const int32_t *tab, int64_t j0,
-                          int64_t j1, int64_t jp, float *m, float *l, float *acc) {
-    if (p->D % 16 == 0 && p->D <= 128) attend_keys_v(p, q, tab, j0, j1, jp, m, l, acc);
-    else attend_keys(p, q, tab, j0, j1, jp, m, l, acc);
+/* keys [j0, j1s[r]) of R rows of one request (the vector path where the head dim allows it;
+ * else each row in turn); state as attend_rows_v's */
+static inline void attend_rows(const prob_t *p, int64_t R, const float *const *qs,
+                               const int32_t *tab, int64_t j0, const int64_t *j1s, int64_t jp,
+                               float *m, float *l, float *acc) {
+    const int64_t H = p->H, D = p->D;
+    if (D % 16 == 0 && D <= 128) {
+        attend_rows_v(p, R, qs, tab, j0, j1s, jp, m, l, acc);
+        return;
+    }
+    for (int64_t r = 0; r < R; r++)
+        attend_keys(p, qs[r], tab, j0, j1s[r], jp, m + r * H, l + r * H, acc + r * H * D);
 }
 
 /* a chunk's softmax state (mc, lc, ac) folded into the running one (m, l, acc): the one order
@@ -333,54 +353,144 @@ static void fold(int64_t H, int64_t D, float *m, float *l, float *acc, const flo
     }
 }
 
-/* phase 1 on thread tid of nth: the items (split: every request's chunks; else whole
- * requests, their chunks attended and folded in turn); dealt round-robin, or with `next`
- * claimed one at a time as threads come free (the graph node) */
+/* rows b, b + 1, ... that attend together (at most GROUP_MAX): a request's rows side by side
+ * (a prompt chunk's or verified drafts' tokens, each with its own length) read the same slots
+ * of the same table row; with the same first key and chunk size they are cut into the same
+ * chunks and blocks, so each row computes what it computes alone */
+static int64_t group_rows(const prob_t *p, int64_t b) {
+    const int64_t start = key_start(p, b), C = req_chunk(p, b);
+    int64_t e = b + 1;
+    while (e < p->B && e - b < GROUP_MAX && p->req_rows[e] == p->req_rows[b] &&
+           key_start(p, e) == start && req_chunk(p, e) == C)
+        e++;
+    return e - b;
+}
+
+/* the chunks of the group of R rows at b: its longest row's */
+static int64_t group_chunks(const prob_t *p, int64_t b, int64_t R) {
+    int64_t n = 1;
+    for (int64_t r = b; r < b + R; r++) n = row_chunks(p, r) > n ? row_chunks(p, r) : n;
+    return n;
+}
+
+static int64_t count_groups(const prob_t *p) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < p->B; b += group_rows(p, b)) n++;
+    return n;
+}
+
+/* whether this call's items are chunks (split over the threads) rather than whole groups:
+ * with few groups (fewer than 4 per thread), where the scratch holds every row's chunks */
+static int split_items(const prob_t *p, int nth) {
+    if (!p->partial || count_groups(p) >= 4 * nth) return 0;
+    int64_t items = 0;
+    for (int64_t b = 0; b < p->B; b++) items += row_chunks(p, b);
+    return items <= MAX_ITEMS;
+}
+
+/* phase 1 on thread tid of nth: the items (split: every group's chunks, each row's chunk state
+ * left in the scratch at the row's chunk index, or its output where the row has one chunk;
+ * else whole groups, each row's chunks attended and folded in turn); dealt round-robin, or
+ * with `next` claimed one at a time as threads come free (the graph node) */
 static void attend_items(const prob_t *p, int split, ek_counter_t *next, const ek_step_t *s,
                          int tid, int nth) {
-    const int64_t H = p->H, D = p->D, row = p->KVH * D, state = 2 * H + H * D;
-    float m[H], l[H], acc[H * D], mc[H], lc[H], ac[H * D];
+    const int64_t H = p->H, D = p->D, state = 2 * H + H * D;
+    /* per row of a group: its running state (m, l, acc: split chunks go through it too) and
+     * a later chunk's, each GROUP_MAX x (m H, l H, acc H D) */
+    static __thread kept_t state_kept;
+    float *st = kept_bytes(&state_kept, (size_t)(2 * GROUP_MAX * state) * sizeof(float));
+    if (!st) return;
+    float *m = st, *l = m + GROUP_MAX * H, *acc = l + GROUP_MAX * H;
+    float *mc = acc + GROUP_MAX * H * D, *lc = mc + GROUP_MAX * H, *ac = lc + GROUP_MAX * H;
+    const float *qs[GROUP_MAX];
+    int64_t j1s[GROUP_MAX], act[GROUP_MAX];
     int64_t total = 0;
-    if (split)
-        for (int64_t b = 0; b < p->B; b++) total += row_chunks(p, b);
-    else
-        total = p->B;
-    /* the row b holding the claimed item, its first item and chunk count: claims only grow */
-    int64_t b = 0, first = 0, chunks = p->B ? (split ? row_chunks(p, 0) : 1) : 0;
+    for (int64_t b = 0; b < p->B;) {
+        const int64_t R = group_rows(p, b);
+        total += split ? group_chunks(p, b, R) : 1;
+        b += R;
+    }
+    /* the group holding the claimed item: its first row b, R rows, first item, item count
+     * and its first row's first chunk index in the scratch; claims only grow */
+    int64_t b = 0, R = p->B ? group_rows(p, 0) : 0, first = 0;
+    int64_t items = p->B ? (split ? group_chunks(p, 0, R) : 1) : 0, rc = 0;
     for (int64_t k = 0;; k++) {
         const int64_t item = next ? ek_claim(next, s, 1, total) : tid + k * nth;
         if (item < 0 || item >= total) break;
-        while (item >= first + chunks) {
-            first += chunks;
-            chunks = split ? row_chunks(p, ++b) : (++b, 1);
+        while (item >= first + items) {
+            for (int64_t r = b; r < b + R; r++) rc += row_chunks(p, r);
+            first += items;
+            b += R;
+            R = group_rows(p, b);
+            items = split ? group_chunks(p, b, R) : 1;
         }
-        const int64_t L = p->seq_lens[b], start = key_start(p, b), C = req_chunk(p, b);
-        const int64_t qrow = p->q_rows ? p->q_rows[b] : b;
-        const float *q = p->q + qrow * p->ldq;
+        const int64_t start = key_start(p, b), C = req_chunk(p, b);
         const int32_t *tab = p->table + p->req_rows[b] * p->table_stride;
-        const int64_t c = item - first, j0 = split ? start + c * C : start;
-        const int64_t j1 = split && j0 + C < L ? j0 + C : L;
-        if (p->k_new && j1 == L) { /* the item that reads the new token stores it */
-            const int64_t off = p->new_slots[b] * row;
-            store((void *)p->k_pool, p->dtype, off, p->k_new + b * p->ld_new, row, p->scaled,
-                  p->k_scale);
-            store((void *)p->v_pool, p->dtype, off, p->v_new + b * p->ld_new, row, p->scaled,
-                  p->v_scale);
+        int64_t jp = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = p->seq_lens[b + r];
+            qs[r] = p->q + (p->q_rows ? p->q_rows[b + r] : b + r) * p->ldq;
+            jp = L > jp ? L : jp;
         }
-        if (split && chunks > 1) {
-            float *st = p->partial + item * state;
-            attend(p, q, tab, j0, j1, j1, st, st + H, st + 2 * H);
+        if (split) { /* chunk c of the rows that have one */
+            const int64_t c = item - first, j0 = start + c * C;
+            int64_t n = 0;
+            for (int64_t r = 0; r < R; r++)
+                if (c < row_chunks(p, b + r)) {
+                    const int64_t L = p->seq_lens[b + r];
+                    act[n] = r;
+                    qs[n] = qs[r];
+                    j1s[n++] = j0 + C < L ? j0 + C : L;
+                }
+            int64_t je = j0;
+            for (int64_t i = 0; i < n; i++) je = j1s[i] > je ? j1s[i] : je;
+            attend_rows(p, n, qs, tab, j0, j1s, je, m, l, acc);
+            int64_t at = rc; /* row b + r's first chunk index */
+            for (int64_t i = 0, r = 0; i < n; i++) {
+                for (; r < act[i]; r++) at += row_chunks(p, b + r);
+                const int64_t row = b + act[i], chunks = row_chunks(p, row);
+                if (chunks > 1) {
+                    float *dst = p->partial + (at + c) * state;
+                    memcpy(dst, m + i * H, (size_t)H * sizeof(float));
+                    memcpy(dst + H, l + i * H, (size_t)H * sizeof(float));
+                    memcpy(dst + 2 * H, acc + i * H * D, (size_t)(H * D) * sizeof(float));
+                } else {
+                    finish(l + i * H, acc + i * H * D, H, D,
+                           p->out + (p->q_rows ? p->q_rows[row] : row) * p->ldo);
+                }
+            }
             continue;
         }
-        /* a whole request: its chunks in order, each folded into the first */
-        const int64_t n = split ? 1 : row_chunks(p, b);
-        attend(p, q, tab, j0, n > 1 && j0 + C < j1 ? j0 + C : j1, j1, m, l, acc);
-        for (int64_t i = 1; i < n; i++) {
-            const int64_t a0 = j0 + i * C, a1 = a0 + C < j1 ? a0 + C : j1;
-            attend(p, q, tab, a0, a1, j1, mc, lc, ac);
-            fold(H, D, m, l, acc, mc, lc, ac);
+        /* a whole group: its chunks in order, each row's later chunks folded into its first */
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t L = p->seq_lens[b + r];
+            j1s[r] = row_chunks(p, b + r) > 1 && start + C < L ? start + C : L;
         }
-        finish(l, acc, H, D, p->out + qrow * p->ldo);
+        attend_rows(p, R, qs, tab, start, j1s, jp, m, l, acc);
+        const int64_t chunks = group_chunks(p, b, R);
+        for (int64_t c = 1; c < chunks; c++) {
+            const int64_t a0 = start + c * C;
+            const float *qc[GROUP_MAX];
+            int64_t n = 0;
+            for (int64_t r = 0; r < R; r++)
+                if (c < row_chunks(p, b + r)) {
+                    const int64_t L = p->seq_lens[b + r];
+                    act[n] = r;
+                    qc[n] = qs[r];
+                    j1s[n++] = a0 + C < L ? a0 + C : L;
+                }
+            attend_rows(p, n, qc, tab, a0, j1s, jp, mc, lc, ac);
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t r = act[i];
+                fold(H, D, m + r * H, l + r * H, acc + r * H * D, mc + i * H, lc + i * H,
+                     ac + i * H * D);
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t row = b + r;
+            finish(l + r * H, acc + r * H * D, H, D,
+                   p->out + (p->q_rows ? p->q_rows[row] : row) * p->ldo);
+        }
     }
 }
 
@@ -425,10 +535,11 @@ int decode_attention(const float *q, float *out, const int64_t *q_tokens,
     if (nthreads < 1) nthreads = 1;
     /* the split chunks' scratch, kept per calling thread */
     static __thread kept_t partial_kept;
-    float *partial = B < 4 * nthreads ? kept_bytes(&partial_kept, partial_bytes(H, D)) : NULL;
-    const prob_t p = {q, H * D, q_tokens, out, H * D, NULL, NULL, 0, NULL, 0, k_pool, v_pool,
-                      dtype, req_to_token, table_stride, rows, seq_lens, B, H, KVH, D, window,
-                      scale, k_scale, v_scale, partial};
+    prob_t p = {q, H * D, q_tokens, out, H * D, NULL, NULL, 0, NULL, 0, k_pool, v_pool,
+                dtype, req_to_token, table_stride, rows, seq_lens, B, H, KVH, D, window,
+                scale, k_scale, v_scale, NULL};
+    if (count_groups(&p) < 4 * nthreads)
+        p.partial = kept_bytes(&partial_kept, partial_bytes(H, D));
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();

@@ -174,3 +174,51 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(threads, dtype):
         alone = attend([r])[r]
         assert torch.equal(alone, everyone[r]), (r, lens[r])
     assert all(torch.equal(v, everyone[r]) for r, v in attend([5, 0, 3]).items())
+
+
+def _attend(q, rows, seq_lens, k_pool, v_pool, table, H, KVH, D, window, threads):
+    out = torch.empty_like(q)
+    b = q.shape[0]
+    q_rows = torch.arange(b)
+    status = kernel.load().decode_attention(
+        q.data_ptr(), out.data_ptr(), q_rows.data_ptr(), k_pool.data_ptr(),
+        v_pool.data_ptr(), 0, table.data_ptr(), table.stride(0), rows.data_ptr(),
+        seq_lens.data_ptr(), b, H, KVH, D, window, 0.125, 1.0, 1.0, threads)
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 1, 48)])
+def test_rows_of_one_request_attended_together_get_their_bits_alone(threads, shape):
+    """A request's rows side by side (draft tokens verified at once: the same table row,
+    lengths L, L + 1, ...) are attended as a group, the keys fetched once for all of them;
+    each row's output is bit for bit the one it gets attended alone, where the rows' chunk
+    size differs (lengths across a multiple of 64), with a sliding window, with more rows than
+    a group holds (20), beside other requests' rows, split over threads or whole."""
+    H, KVH, D = shape
+    gen = torch.Generator().manual_seed(threads)
+    n_slots = 2000
+    k_pool = torch.randn(n_slots, KVH, D, generator=gen)
+    v_pool = torch.randn(n_slots, KVH, D, generator=gen)
+    table = torch.stack([1 + torch.randperm(n_slots - 1, generator=gen)[:800]
+                         for _ in range(4)]).to(torch.int32)
+    for start, count in ((1, 8), (30, 8), (60, 8), (124, 8), (250, 5), (700, 20)):
+        for others in (0, 9):  # 9 one-row requests beside: whole groups, not split
+            rows = [0] * count + [1 + i % 3 for i in range(others)]
+            lens = [start + i for i in range(count)] + [40 + 50 * i for i in range(others)]
+            rows_t, lens_t = torch.tensor(rows), torch.tensor(lens)
+            q = torch.randn(len(rows), H, D, generator=gen)
+            for window in (0, 100):
+                together = _attend(q, rows_t, lens_t, k_pool, v_pool, table, H, KVH, D,
+                                   window, threads)
+                for i in range(len(rows)):
+                    alone = _attend(q[i: i + 1].contiguous(), rows_t[i: i + 1],
+                                    lens_t[i: i + 1], k_pool, v_pool, table, H, KVH, D,
+                                    window, threads)
+                    assert torch.equal(together[i], alone[0]), (start, count, others, window, i)
+                    keys = table[rows[i], :lens[i]].long()
+                    if window and lens[i] > window:
+                        keys = keys[-window:]
+                    ref = reference(q[i], k_pool[keys], v_pool[keys], 0.125)
+                    assert torch.allclose(together[i], ref, atol=2e-5, rtol=1e-4)
