@@ -388,6 +388,23 @@ static int split_items(const prob_t *p, int nth) {
     return items <= MAX_ITEMS;
 }
 
+/* the rows of the R-row group at b that have a chunk c (its keys from j0 = start + c C): their
+ * places in the group (act), queries (qc, from the group's qs) and key ends (j1s); how many
+ * (chunk 0: every row, in order) */
+static int64_t chunk_rows(const prob_t *p, int64_t b, int64_t R, int64_t c, int64_t j0,
+                          int64_t C, const float *const *qs, int64_t *act, const float **qc,
+                          int64_t *j1s) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; r++)
+        if (c < row_chunks(p, b + r)) {
+            const int64_t L = p->seq_lens[b + r];
+            act[n] = r;
+            qc[n] = qs[r];
+            j1s[n++] = j0 + C < L ? j0 + C : L;
+        }
+    return n;
+}
+
 /* phase 1 on thread tid of nth: the items (split: every group's chunks, each row's chunk state
  * left in the scratch at the row's chunk index, or its output where the row has one chunk;
  * else whole groups, each row's chunks attended and folded in turn); dealt round-robin, or
@@ -402,7 +419,7 @@ static void attend_items(const prob_t *p, int split, ek_counter_t *next, const e
     if (!st) return;
     float *m = st, *l = m + GROUP_MAX * H, *acc = l + GROUP_MAX * H;
     float *mc = acc + GROUP_MAX * H * D, *lc = mc + GROUP_MAX * H, *ac = lc + GROUP_MAX * H;
-    const float *qs[GROUP_MAX];
+    const float *qs[GROUP_MAX], *qc[GROUP_MAX];
     int64_t j1s[GROUP_MAX], act[GROUP_MAX];
     int64_t total = 0;
     for (int64_t b = 0; b < p->B;) {
@@ -434,17 +451,10 @@ static void attend_items(const prob_t *p, int split, ek_counter_t *next, const e
         }
         if (split) { /* chunk c of the rows that have one */
             const int64_t c = item - first, j0 = start + c * C;
-            int64_t n = 0;
-            for (int64_t r = 0; r < R; r++)
-                if (c < row_chunks(p, b + r)) {
-                    const int64_t L = p->seq_lens[b + r];
-                    act[n] = r;
-                    qs[n] = qs[r];
-                    j1s[n++] = j0 + C < L ? j0 + C : L;
-                }
+            const int64_t n = chunk_rows(p, b, R, c, j0, C, qs, act, qc, j1s);
             int64_t je = j0;
             for (int64_t i = 0; i < n; i++) je = j1s[i] > je ? j1s[i] : je;
-            attend_rows(p, n, qs, tab, j0, j1s, je, m, l, acc);
+            attend_rows(p, n, qc, tab, j0, j1s, je, m, l, acc);
             int64_t at = rc; /* row b + r's first chunk index */
             for (int64_t i = 0, r = 0; i < n; i++) {
                 for (; r < act[i]; r++) at += row_chunks(p, b + r);
@@ -462,24 +472,14 @@ static void attend_items(const prob_t *p, int split, ek_counter_t *next, const e
             continue;
         }
         /* a whole group: its chunks in order, each row's later chunks folded into its first */
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t L = p->seq_lens[b + r];
-            j1s[r] = row_chunks(p, b + r) > 1 && start + C < L ? start + C : L;
-        }
-        attend_rows(p, R, qs, tab, start, j1s, jp, m, l, acc);
         const int64_t chunks = group_chunks(p, b, R);
-        for (int64_t c = 1; c < chunks; c++) {
-            const int64_t a0 = start + c * C;
-            const float *qc[GROUP_MAX];
-            int64_t n = 0;
-            for (int64_t r = 0; r < R; r++)
-                if (c < row_chunks(p, b + r)) {
-                    const int64_t L = p->seq_lens[b + r];
-                    act[n] = r;
-                    qc[n] = qs[r];
-                    j1s[n++] = a0 + C < L ? a0 + C : L;
-                }
-            attend_rows(p, n, qc, tab, a0, j1s, jp, mc, lc, ac);
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n = chunk_rows(p, b, R, c, start + c * C, C, qs, act, qc, j1s);
+            if (c == 0) { /* every row: its state at its place in the group */
+                attend_rows(p, n, qc, tab, start, j1s, jp, m, l, acc);
+                continue;
+            }
+            attend_rows(p, n, qc, tab, start + c * C, j1s, jp, mc, lc, ac);
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = act[i];
                 fold(H, D, m + r * H, l + r * H, acc + r * H * D, mc + i * H, lc + i * H,
