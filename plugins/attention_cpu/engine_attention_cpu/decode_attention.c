@@ -27,6 +27,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
@@ -40,6 +41,18 @@
 #define CHUNKS 4        /* a request's keys are cut into at most this many chunks */
 #define MAX_ITEMS 128   /* split chunks per call (the scratch holds their states) */
 #define GROUP_MAX 16    /* rows of one request attended together */
+
+/* a kept scratch buffer of at least `bytes`: with none to be had the process is out of memory,
+ * and a kernel that went on would leave its outputs unwritten, so it stops, saying so */
+static void *scratch_or_abort(kept_t *k, size_t bytes) {
+    void *p = kept_bytes(k, bytes);
+    if (!p) {
+        fprintf(stderr, "engine-attention-cpu: out of memory for %zu bytes of attention "
+                "scratch\n", bytes);
+        abort();
+    }
+    return p;
+}
 
 /* ---------------------------------------------------------------- CPU graph node */
 
@@ -257,7 +270,8 @@ static void attend_rows_v(const prob_t *p, int64_t R, const float *const *qs,
     const int64_t H = p->H, KVH = p->KVH, D = p->D, G = H / KVH, row = KVH * D, DV = D / 16;
     const int convert = p->dtype != F32 || p->k_scale != 1.0f || p->v_scale != 1.0f;
     static __thread kept_t conv_kept; /* 16 K and 16 V rows as float32, where converted */
-    float *kt = convert ? kept_bytes(&conv_kept, (size_t)(32 * row) * sizeof(float)) : NULL;
+    float *kt = convert ? scratch_or_abort(&conv_kept, (size_t)(32 * row) * sizeof(float))
+                       : NULL;
     float *vt = convert ? kt + 16 * row : NULL;
     v16 part[H * 16];
     float s[H * 16];
@@ -415,8 +429,7 @@ static void attend_items(const prob_t *p, int split, ek_counter_t *next, const e
     /* per row of a group: its running state (m, l, acc: split chunks go through it too) and
      * a later chunk's, each GROUP_MAX x (m H, l H, acc H D) */
     static __thread kept_t state_kept;
-    float *st = kept_bytes(&state_kept, (size_t)(2 * GROUP_MAX * state) * sizeof(float));
-    if (!st) return;
+    float *st = scratch_or_abort(&state_kept, (size_t)(2 * GROUP_MAX * state) * sizeof(float));
     float *m = st, *l = m + GROUP_MAX * H, *acc = l + GROUP_MAX * H;
     float *mc = acc + GROUP_MAX * H * D, *lc = mc + GROUP_MAX * H, *ac = lc + GROUP_MAX * H;
     const float *qs[GROUP_MAX], *qc[GROUP_MAX];
