@@ -54,6 +54,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -2023,7 +2024,14 @@ void ek_linear_node_gemm(const void *p, const ek_step_t *s, int tid, int nth) {
     int64_t chunk = nt / (4 * nth);
     if (chunk < 1) chunk = 1;
     for (int64_t t0; (t0 = ek_claim(&n->next, s, chunk, nt)) >= 0;)
-        run_tiles(&j, t0, t0 + chunk < nt ? t0 + chunk : nt);
+        if (run_tiles(&j, t0, t0 + chunk < nt ? t0 + chunk : nt) != EK_OK) {
+            /* only the tile scratch can fail here (the rest was checked when the node was
+             * made); a graph node has no status to return, and going on would leave the
+             * output tiles unwritten */
+            fprintf(stderr, "engine-cpu-kernels: out of memory for a linear node's tile "
+                    "scratch (%lld rows)\n", (long long)j.M);
+            abort();
+        }
     (void)tid;
 }
 
